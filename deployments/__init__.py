@@ -1,0 +1,1 @@
+"""Ray Serve deployments: ingress, model replica, replica registry, engines."""

@@ -1,0 +1,1 @@
+"""Inference engines: one loaded model each, called from the replica's worker thread."""

@@ -1,0 +1,106 @@
+"""Sentence embeddings with transformers: mean-pooled, L2-normalised, like sentence-transformers.
+
+The pooling follows the ``1_Pooling`` (mean) and ``Normalize`` modules that
+sentence-transformers' all-MiniLM-L6-v2 declares in its ``modules.json``; a test checks the
+vectors against ``SentenceTransformer.encode`` for the same directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModel, AutoTokenizer
+
+from serve_app.memory.cost_model import DTYPE_BYTES, AnalyticCostModel, TransformerShape
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when CUDA is usable in this process, else ``cpu``."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("model.device is 'cuda' but CUDA is not available to this replica")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """``auto`` -> float16 on CUDA, float32 on CPU."""
+    if dtype == "auto":
+        return "float16" if device == "cuda" else "float32"
+    return dtype
+
+
+@dataclass
+class EmbeddingEngine:
+    """A loaded encoder model and its tokenizer. Not thread-safe: call from one thread.
+
+    Args:
+        path: local model directory (``config.json``, weights, tokenizer files).
+        device: ``cpu`` or ``cuda`` (already resolved).
+        dtype: ``float32``, ``float16`` or ``bfloat16`` (already resolved).
+        num_threads: torch intra-op threads on CPU, or ``None`` to leave torch's default.
+
+    Raises:
+        OSError: the directory lacks model or tokenizer files.
+    """
+
+    path: Path
+    device: str = "cpu"
+    dtype: str = "float32"
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.device == "cpu" and self.num_threads:
+            torch.set_num_threads(self.num_threads)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
+        self.model = AutoModel.from_pretrained(str(self.path), dtype=getattr(torch, self.dtype))
+        self.model.to(self.device).eval()
+        config = json.loads((self.path / "config.json").read_text())
+        self.shape = TransformerShape.from_hf_config(config, DTYPE_BYTES[self.dtype])
+        self.cost_model = AnalyticCostModel(self.shape)
+        self.max_seq_tokens = _max_seq_tokens(self.path, self.shape.max_positions)
+        self.dimensions = self.shape.hidden_size
+
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        """Tokens per text, special tokens included (what the model will see)."""
+        encoded = self.tokenizer(texts, add_special_tokens=True, truncation=False,
+                                 verbose=False)
+        return [len(ids) for ids in encoded["input_ids"]]
+
+    def request_bytes(self, token_counts: list[int]) -> int:
+        """Estimated peak extra device bytes to embed texts of these lengths in one batch."""
+        return self.cost_model.request_bytes(len(token_counts), max(token_counts))
+
+    @torch.inference_mode()
+    def embed(self, texts: list[str]) -> np.ndarray:
+        """Embed ``texts`` in one padded batch.
+
+        Returns:
+            float32 array of shape ``(len(texts), dimensions)``, each row of unit L2 norm.
+        """
+        batch = self.tokenizer(texts, padding=True, truncation=True,
+                               max_length=self.max_seq_tokens, return_tensors="pt")
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        token_embeddings = self.model(**batch).last_hidden_state
+        mask = batch["attention_mask"].unsqueeze(-1).to(token_embeddings.dtype)
+        pooled = (token_embeddings * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+        normalised = torch.nn.functional.normalize(pooled.float(), p=2, dim=1)
+        return normalised.cpu().numpy()
+
+
+def _max_seq_tokens(path: Path, max_positions: int) -> int:
+    """sentence-transformers' ``max_seq_length`` if the directory declares one, else the
+    model's position limit."""
+    st_config = path / "sentence_bert_config.json"
+    if st_config.exists():
+        declared = json.loads(st_config.read_text()).get("max_seq_length")
+        if declared:
+            return min(int(declared), max_positions)
+    return max_positions

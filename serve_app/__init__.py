@@ -1,0 +1,1 @@
+"""vramgate: memory-budget admission for model serving on Ray Serve."""

@@ -1,0 +1,1 @@
+"""Admission: byte budget, leases, bounded FIFO wait, Retry-After. Pure: no ray/torch/fastapi."""

@@ -1,0 +1,132 @@
+"""Asyncio face of the admission queue: ``await acquire(nbytes)`` returns a lease or raises.
+
+Uses asyncio only (no Ray, torch or FastAPI). Every path that leaves :meth:`acquire` without
+returning a lease leaves nothing behind: a cancelled or timed-out waiter is withdrawn, and a
+lease handed over in the same instant is released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from serve_app.admission.budget import Lease, MemoryBudget
+from serve_app.admission.drain import DrainRateEstimator
+from serve_app.admission.queue import AdmissionQueue, Outcome, Reason, Waiter
+from serve_app.errors import OverloadedError, RequestTooLargeError
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A granted request: its lease and how it got it.
+
+    Attributes:
+        lease: the bytes held; release with :meth:`AdmissionController.release`.
+        queue_wait_s: seconds spent waiting for the lease (0 if admitted at once).
+        queue_position: waiters ahead of it when it was queued (0 if admitted at once).
+    """
+
+    lease: Lease
+    queue_wait_s: float
+    queue_position: int
+
+
+class AdmissionController:
+    """Leases bytes of a replica's budget to requests, in FIFO order, with bounded waits.
+
+    Args:
+        budget_bytes: the replica's byte budget (> 0).
+        max_queue_len: requests that may wait at once; more get 503 ``queue_full``.
+        max_queue_wait_s: longest wait for a lease; longer gets 503 ``queue_timeout``.
+        clock: monotonic seconds, injected for tests.
+        drain_window_s: window of the drain-rate estimate behind ``Retry-After``.
+
+    Must be used from one event loop (the replica's).
+    """
+
+    def __init__(self, budget_bytes: int, max_queue_len: int, max_queue_wait_s: float,
+                 clock: Callable[[], float] = time.monotonic, drain_window_s: float = 10.0):
+        self._clock = clock
+        self._futures: dict[int, asyncio.Future[Lease]] = {}
+        self.queue = AdmissionQueue(
+            MemoryBudget(budget_bytes), max_queue_len, max_queue_wait_s, clock,
+            DrainRateEstimator(drain_window_s, clock), on_admit=self._wake)
+
+    @property
+    def budget(self) -> MemoryBudget:
+        return self.queue.budget
+
+    async def acquire(self, nbytes: int) -> Admission:
+        """Wait for a lease of ``nbytes``.
+
+        Raises:
+            RequestTooLargeError: ``nbytes`` exceeds the whole budget (400, at once).
+            OverloadedError: ``queue_full`` at arrival, or ``queue_timeout`` after
+                ``max_queue_wait_s`` (503, with ``retry_after_s``).
+            asyncio.CancelledError: the caller was cancelled; nothing stays reserved.
+        """
+        decision = self.queue.submit(nbytes)
+        if decision.outcome is Outcome.ADMITTED:
+            return Admission(decision.lease, 0.0, 0)
+        if decision.outcome is Outcome.REJECTED:
+            raise _refusal(decision.reason, nbytes, self.budget.budget_bytes,
+                           decision.retry_after_s, decision.queue_position)
+        waiter = decision.waiter
+        future = asyncio.get_running_loop().create_future()
+        self._futures[waiter.waiter_id] = future
+        try:
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation
+            # that arrives once the future is done (gh-86296), and the client would be served.
+            async with asyncio.timeout(waiter.deadline - self._clock()):
+                lease = await asyncio.shield(future)
+        except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
+            if future.done() and not future.cancelled():
+                lease = future.result()  # admitted in the same instant: keep or hand back
+                if isinstance(exc, asyncio.CancelledError):
+                    self.release(lease, ran=False)
+                    raise
+            else:
+                retry_after_s = self.queue.timeout_retry_after_s(waiter)
+                self.queue.cancel(waiter)
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                raise OverloadedError(
+                    f"waited {self.queue.max_queue_wait_s:g} s for memory without being "
+                    "admitted", code=Reason.QUEUE_TIMEOUT.value,
+                    retry_after_s=retry_after_s, queue_position=waiter.position) from None
+        finally:
+            self._futures.pop(waiter.waiter_id, None)
+        return Admission(lease, self._clock() - waiter.enqueued_at, waiter.position)
+
+    def release(self, lease: Lease, *, ran: bool = True) -> None:
+        """Return a lease's bytes (idempotent) and admit whoever now fits.
+
+        ``ran=False`` for a lease whose request never used the device: its bytes do not count
+        towards the measured drain rate.
+        """
+        if ran:
+            self.queue.release(lease)
+        else:
+            lease.release()
+            self.queue.pump()
+
+    def _wake(self, waiter: Waiter) -> None:
+        future = self._futures.get(waiter.waiter_id)
+        if future is not None and not future.done():
+            future.set_result(waiter.lease)
+        elif waiter.lease is not None:
+            # Its caller is already gone (it cannot be: futures outlive their waiters); be safe.
+            waiter.lease.release()
+
+
+def _refusal(reason: Reason, nbytes: int, budget_bytes: int, retry_after_s: int | None,
+             queue_position: int) -> Exception:
+    if reason is Reason.REQUEST_TOO_LARGE:
+        return RequestTooLargeError(
+            f"the request needs an estimated {nbytes} bytes of device memory, more than the "
+            f"replica's whole budget of {budget_bytes} bytes; send fewer or shorter inputs")
+    return OverloadedError("the replica's admission queue is full",
+                           code=reason.value, retry_after_s=retry_after_s,
+                           queue_position=queue_position)

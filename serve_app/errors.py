@@ -1,0 +1,125 @@
+"""One typed error hierarchy for everything a client can be told.
+
+Every error that may reach a client is a :class:`ServeAppError` carrying the HTTP status, the
+OpenAI-style ``type`` and ``code`` of ``CONTRACT.md`` and, for 503s, ``retry_after_s``. The
+classes are plain picklable exceptions (no Ray, FastAPI or torch imports) so they cross Ray
+actor boundaries unchanged; the ingress maps them to HTTP responses in exactly one place
+(:func:`serve_app.http_errors.error_response`).
+
+Messages are written for clients: they never contain tracebacks or internal detail.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ServeAppError(Exception):
+    """Base class: a refusal or failure with a fixed HTTP meaning.
+
+    Attributes:
+        status_code: HTTP status sent to the client.
+        type: the OpenAI error ``type`` string.
+        code: the machine-readable ``code`` string (``None`` only where CONTRACT.md allows).
+        message: human-readable, safe to show to clients.
+        retry_after_s: for 503s, whole seconds the client should wait (>= 1), else ``None``.
+        queue_position: requests that were ahead of this one when it was queued, if it was.
+    """
+
+    status_code: int = 500
+    type: str = "internal_error"
+    default_code: str = "internal_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        retry_after_s: int | None = None,
+        queue_position: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code or self.default_code
+        self.retry_after_s = retry_after_s
+        self.queue_position = queue_position
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keyword-only arguments are lost by Exception's default pickling; keep them.
+        return (_rebuild, (type(self), self.message, self.code, self.retry_after_s,
+                           self.queue_position))
+
+    def to_body(self) -> dict[str, Any]:
+        """The OpenAI error body: ``{"error": {"message", "type", "code"}}``."""
+        return {"error": {"message": self.message, "type": self.type, "code": self.code}}
+
+
+def _rebuild(cls: type[ServeAppError], message: str, code: str | None,
+             retry_after_s: int | None, queue_position: int | None) -> ServeAppError:
+    return cls(message, code=code, retry_after_s=retry_after_s, queue_position=queue_position)
+
+
+class InvalidRequestError(ServeAppError):
+    """400: the request is malformed or fails validation; ``code`` names the field."""
+
+    status_code = 400
+    type = "invalid_request_error"
+    default_code = "invalid_request"
+
+
+class RequestTooLargeError(InvalidRequestError):
+    """400 ``request_too_large``: the estimated bytes exceed the whole budget; it can never run."""
+
+    default_code = "request_too_large"
+
+
+class AuthenticationError(ServeAppError):
+    """401 ``invalid_api_key``."""
+
+    status_code = 401
+    type = "authentication_error"
+    default_code = "invalid_api_key"
+
+
+class ModelNotFoundError(ServeAppError):
+    """404 ``model_not_found``: unknown model, or a route the served model's task lacks."""
+
+    status_code = 404
+    type = "invalid_request_error"
+    default_code = "model_not_found"
+
+
+class BodyTooLargeError(ServeAppError):
+    """413 ``body_too_large``: the HTTP body exceeds ``limits.max_body_bytes``."""
+
+    status_code = 413
+    type = "invalid_request_error"
+    default_code = "body_too_large"
+
+
+class OverloadedError(ServeAppError):
+    """503: a transient capacity refusal, always with ``retry_after_s`` >= 1.
+
+    ``code`` is one of ``queue_full``, ``queue_timeout``, ``oom``, ``no_replicas``, ``draining``.
+    """
+
+    status_code = 503
+    type = "overloaded"
+    default_code = "queue_full"
+
+    def __init__(self, message: str, *, code: str | None = None,
+                 retry_after_s: int | None = None, queue_position: int | None = None) -> None:
+        super().__init__(message, code=code, retry_after_s=max(1, int(retry_after_s or 1)),
+                         queue_position=queue_position)
+
+
+class InferenceTimeoutError(ServeAppError):
+    """504 ``inference_timeout``: inference ran longer than ``admission.inference_timeout_s``."""
+
+    status_code = 504
+    type = "timeout"
+    default_code = "inference_timeout"
+
+
+class InternalError(ServeAppError):
+    """500 ``internal_error``: a bug. The message stays generic."""

@@ -1,0 +1,1 @@
+"""Device memory: probes, cost models, budget derivation."""

@@ -1,0 +1,57 @@
+"""One local Ray instance and Serve HTTP proxy for the whole integration session."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+from ray import serve
+
+from serve_app.app import build_app
+from tests.support import assert_idle_invariants, free_port, settled_status, wait_until_ready
+
+
+@pytest.fixture(scope="session")
+def serve_base_url() -> Iterator[str]:
+    """Start Ray (8 logical CPUs, 2 declared GPUs) and Serve's proxy on a free port."""
+    port = free_port()
+    ray.init(num_cpus=8, num_gpus=2, include_dashboard=False,
+             object_store_memory=256 * 1024 * 1024, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+class DeployedApp:
+    """A vramgate app deployed on the session's Serve instance."""
+
+    def __init__(self, base_url: str, name: str, args: dict[str, Any]) -> None:
+        self.base_url, self.name, self.args = base_url, name, args
+
+    def check_invariants(self) -> list[dict[str, Any]]:
+        replicas = settled_status(self.base_url)
+        assert_idle_invariants(replicas)
+        return replicas
+
+
+@pytest.fixture(scope="module")
+def deploy(serve_base_url: str) -> Iterator[Any]:
+    """``deploy(args)`` runs ``build_app(args)`` as this module's app at ``/``, and deletes it
+    when the module is done. One app at a time: each module deploys what it needs."""
+    deployed: list[str] = []
+
+    def _deploy(args: dict[str, Any], name: str = "vramgate") -> DeployedApp:
+        for old in deployed:
+            serve.delete(old)
+        deployed.clear()
+        serve.run(build_app(args), name=name, route_prefix="/", blocking=False)
+        deployed.append(name)
+        wait_until_ready(serve_base_url)
+        return DeployedApp(serve_base_url, name, args)
+
+    yield _deploy
+    for name in deployed:
+        serve.delete(name)

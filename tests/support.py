@@ -1,0 +1,77 @@
+"""Helpers shared by the integration and end-to-end suites (HTTP only, loopback only)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+SENTENCES = ["A man is eating food.", "A man is eating a piece of bread.",
+             "The girl is carrying a baby."]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until_ready(base_url: str, timeout_s: float = 180.0,
+                     alive: Callable[[], bool] = lambda: True) -> dict[str, Any]:
+    """Poll ``/readyz`` until it answers 200 (bounded); return its body.
+
+    Raises:
+        TimeoutError: not ready within ``timeout_s``, or ``alive()`` turned false (the server
+            process exited).
+    """
+    deadline = time.monotonic() + timeout_s
+    last: object = None
+    while time.monotonic() < deadline and alive():
+        try:
+            response = httpx.get(f"{base_url}/readyz", timeout=5)
+            if response.status_code == 200:
+                return response.json()
+            last = response.status_code
+        except httpx.HTTPError as exc:
+            last = exc
+        time.sleep(0.5)
+    raise TimeoutError(f"{base_url} not ready after {timeout_s} s (last: {last!r})")
+
+
+def settled_status(base_url: str, timeout_s: float = 15.0) -> list[dict[str, Any]]:
+    """Replica statuses once every replica has published a state with nothing in flight.
+
+    Polls ``/v1/status`` (replicas publish about once a second) and returns the first snapshot
+    in which no replica holds leases, queues or runs anything, or the last one seen after
+    ``timeout_s`` so that the caller's assertions show what was left behind.
+    """
+    deadline = time.monotonic() + timeout_s
+    replicas: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        replicas = httpx.get(f"{base_url}/v1/status", timeout=5).json()["replicas"]
+        if replicas and all(r["active_leases"] == 0 and r["queue_depth"] == 0
+                            and r["inferences_running"] == 0 for r in replicas):
+            return replicas
+        time.sleep(0.5)
+    return replicas
+
+
+def assert_idle_invariants(replicas: list[dict[str, Any]]) -> None:
+    """DESIGN.md's invariants for an idle system, on every replica."""
+    assert replicas, "no replica published its status"
+    for r in replicas:
+        assert r["reserved_bytes"] == 0, r
+        assert r["queue_depth"] == 0, r
+        assert r["queued_bytes"] == 0, r
+        assert r["inferences_running"] == 0, r
+        assert r["charged_bytes_total"] == r["released_bytes_total"], r
+        if r["policy"] == "budget":
+            assert r["peak_reserved_bytes"] <= r["budget_bytes"], r
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    return sum(x * y for x, y in zip(a, b, strict=True))
