@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import asdict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -19,25 +18,15 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from deployments.engines.embeddings import EmbeddingEngine, resolve_device, resolve_dtype
+from deployments.profiling import measure_replica
 from deployments.registry import PUBLISH_PERIOD_S
 from serve_app.admission.controller import Admission, AdmissionController
 from serve_app.admission.policy import AdmissionPolicy
-from serve_app.config import AppArgs, parse_args
+from serve_app.config import parse_args
 from serve_app.errors import InferenceTimeoutError, InvalidRequestError
-from serve_app.memory.budget import derive_budget_bytes
-from serve_app.memory.probes import CudaMemoryProbe, DeviceProbe, HostMemoryProbe
 from serve_app.schemas import EmbeddingResult
 
 logger = logging.getLogger("ray.serve")
-
-
-def make_probe(device: str, args: AppArgs) -> DeviceProbe:
-    """The probe for ``device`` (``cpu`` or ``cuda``), sized by the config."""
-    if device == "cuda":
-        return CudaMemoryProbe(share=args.deployment.num_gpus or 1.0,
-                               capacity_override_bytes=args.memory.capacity_bytes)
-    return HostMemoryProbe(args.memory.capacity_bytes, args.memory.host_fraction)
 
 
 @serve.deployment
@@ -56,36 +45,18 @@ class ModelServer:
         self._args = args = parse_args(raw_args)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference")
         loop = asyncio.get_running_loop()
-        device = resolve_device(args.model.device)
-        probe = make_probe(device, args)
-        used_before = probe.used_bytes()
-        self._engine = await loop.run_in_executor(self._executor, lambda: EmbeddingEngine(
-            args.model.resolved_path(), device, resolve_dtype(args.model.dtype, device),
-            args.model.num_threads or _replica_cpus(args)))
-        held_bytes = max(0, probe.used_bytes() - used_before)
+        measured = await loop.run_in_executor(self._executor, measure_replica, args)
+        self._engine = measured.engine
+        self._cost_model = measured.cost_model
         self._max_input_tokens = min(args.limits.max_input_tokens, self._engine.max_seq_tokens)
-        max_request_bytes = self._engine.request_bytes(
-            [self._max_input_tokens] * args.limits.max_inputs)
-        policy_name = args.admission.policy
-        budget_bytes = derive_budget_bytes(
-            probe.capacity_bytes(), held_bytes, args.memory.reserve_bytes,
-            args.memory.safety_factor,
-            min_request_bytes=max_request_bytes if policy_name == "budget" else 0,
-            override_bytes=args.memory.budget_bytes)
-        self._policy = AdmissionPolicy.create(policy_name, budget_bytes,
+        self._policy = AdmissionPolicy.create(args.admission.policy, measured.budget_bytes,
                                               args.admission.semaphore_permits)
         self._gate = AdmissionController(self._policy.capacity_units,
                                          args.admission.max_queue_len,
                                          args.admission.max_queue_wait_s)
         context = serve.get_replica_context()
         self._replica_id = context.replica_id.unique_id if context else "local"
-        self._memory = {
-            "device": probe.device, "method": probe.method,
-            "capacity_bytes": probe.capacity_bytes(), "held_bytes": held_bytes,
-            "reserve_bytes": args.memory.reserve_bytes,
-            "safety_factor": args.memory.safety_factor, "budget_bytes": budget_bytes,
-            "max_request_bytes": max_request_bytes,
-        }
+        self._memory = measured.status(args)
         self._node_id = ray.get_runtime_context().get_node_id()
         self._inferences_running = 0
         self._registry = registry
@@ -106,7 +77,7 @@ class ModelServer:
             raise InvalidRequestError(
                 f"input[{too_long[0]}] has {token_counts[too_long[0]]} tokens; the limit is "
                 f"{self._max_input_tokens}", code="input")
-        request_bytes = self._engine.request_bytes(token_counts)
+        request_bytes = self._cost_model.request_bytes(len(token_counts), max(token_counts))
         admission = await self._gate.acquire(self._policy.units(request_bytes))
         embeddings = await self._run_leased(admission, lambda: self._engine.embed(texts))
         return EmbeddingResult(embeddings, sum(token_counts), admission.queue_wait_s,
@@ -164,9 +135,6 @@ class ModelServer:
             "released_bytes_total": budget.released_bytes_total,
             "inferences_running": self._inferences_running,
             "drain_bytes_per_s": queue.drain.bytes_per_s(),
-            "cost_model": {"kind": "analytic",
-                           "overhead_bytes": self._engine.cost_model.overhead_bytes,
-                           "shape": asdict(self._engine.shape)},
             "oom_count": 0,
             "budget_shrink_count": 0,
             "updated_at": time.time(),
@@ -185,7 +153,3 @@ class ModelServer:
             self._publisher.cancel()
         if getattr(self, "_executor", None) is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-def _replica_cpus(args: AppArgs) -> int:
-    return max(1, int(args.deployment.num_cpus))

@@ -53,6 +53,10 @@ class MemoryConfig(_Section):
         0, ge=0, description="Bytes left untouched for the runtime and other processes.")
     safety_factor: float = Field(
         0.9, gt=0, le=1, description="Fraction of (capacity - held - reserve) the budget uses.")
+    profile_path: str = Field(
+        "", description="A profile written by `python -m serve_app profile`: the replica loads "
+        "its cost model instead of profiling at start-up, after checking that it was measured "
+        "on the same kind of device with the same model (else it profiles again).")
     budget_bytes: int | None = Field(
         None, gt=0, description="A fixed budget instead of the derived one (tests, benchmarks, "
         "or a figure measured elsewhere). Still refused at start-up if it exceeds what the "
@@ -92,6 +96,11 @@ class DeploymentConfig(_Section):
     max_ongoing_requests: int | None = Field(
         None, ge=1, description="Ray Serve's per-replica cap. Default: derived, enough for the "
         "requests the budget can run at once plus `admission.max_queue_len` waiters.")
+    p95_inputs: int = Field(
+        8, ge=1, description="Inputs in a P95-sized request of your traffic; with "
+        "`p95_input_tokens` it sizes the derived max_ongoing_requests.")
+    p95_input_tokens: int = Field(
+        128, ge=1, description="Tokens per input of a P95-sized request.")
     ingress_replicas: int = Field(1, ge=1, description="Replicas of the HTTP ingress.")
     ingress_max_ongoing_requests: int = Field(
         1024, ge=1, description="Ray Serve's cap per ingress replica. The ingress only parses "

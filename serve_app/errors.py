@@ -11,6 +11,7 @@ Messages are written for clients: they never contain tracebacks or internal deta
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
@@ -109,7 +110,8 @@ class OverloadedError(ServeAppError):
 
     def __init__(self, message: str, *, code: str | None = None,
                  retry_after_s: int | None = None, queue_position: int | None = None) -> None:
-        super().__init__(message, code=code, retry_after_s=max(1, int(retry_after_s or 1)),
+        super().__init__(message, code=code,
+                         retry_after_s=max(1, math.ceil(retry_after_s or 1)),
                          queue_position=queue_position)
 
 

@@ -43,20 +43,22 @@ def wait_until_ready(base_url: str, timeout_s: float = 180.0,
 
 
 def settled_status(base_url: str, timeout_s: float = 15.0) -> list[dict[str, Any]]:
-    """Replica statuses once every replica has published a state with nothing in flight.
+    """Replica statuses published after this call, once none holds, queues or runs anything.
 
     Polls ``/v1/status`` (replicas publish about once a second) and returns the first snapshot
-    in which no replica holds leases, queues or runs anything, or the last one seen after
+    in which every replica's state is newer than the call and idle, or the last one seen after
     ``timeout_s`` so that the caller's assertions show what was left behind.
     """
+    since = time.time()
     deadline = time.monotonic() + timeout_s
     replicas: list[dict[str, Any]] = []
     while time.monotonic() < deadline:
         replicas = httpx.get(f"{base_url}/v1/status", timeout=5).json()["replicas"]
-        if replicas and all(r["active_leases"] == 0 and r["queue_depth"] == 0
-                            and r["inferences_running"] == 0 for r in replicas):
+        if replicas and all(r["updated_at"] >= since and r["active_leases"] == 0
+                            and r["queue_depth"] == 0 and r["inferences_running"] == 0
+                            for r in replicas):
             return replicas
-        time.sleep(0.5)
+        time.sleep(0.25)
     return replicas
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from transformers import AutoModel, AutoTokenizer
 
-from serve_app.memory.cost_model import DTYPE_BYTES, AnalyticCostModel, TransformerShape
+from serve_app.memory.cost_model import DTYPE_BYTES, TransformerShape
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,6 @@ class EmbeddingEngine:
         self.model.to(self.device).eval()
         config = json.loads((self.path / "config.json").read_text())
         self.shape = TransformerShape.from_hf_config(config, DTYPE_BYTES[self.dtype])
-        self.cost_model = AnalyticCostModel(self.shape)
         self.max_seq_tokens = _max_seq_tokens(self.path, self.shape.max_positions)
         self.dimensions = self.shape.hidden_size
 
@@ -74,11 +73,6 @@ class EmbeddingEngine:
                                  verbose=False)
         return [len(ids) for ids in encoded["input_ids"]]
 
-    def request_bytes(self, token_counts: list[int]) -> int:
-        """Estimated peak extra device bytes to embed texts of these lengths in one batch."""
-        return self.cost_model.request_bytes(len(token_counts), max(token_counts))
-
-    @torch.inference_mode()
     def embed(self, texts: list[str]) -> np.ndarray:
         """Embed ``texts`` in one padded batch.
 
@@ -87,6 +81,16 @@ class EmbeddingEngine:
         """
         batch = self.tokenizer(texts, padding=True, truncation=True,
                                max_length=self.max_seq_tokens, return_tensors="pt")
+        return self._forward(dict(batch))
+
+    def profile_run(self, batch: int, prompt_tokens: int, new_tokens: int = 0) -> None:
+        """One real forward pass over ``batch`` inputs of exactly ``prompt_tokens`` tokens
+        (the profiler's unit of measurement; ``new_tokens`` is ignored by encoders)."""
+        ids = torch.full((batch, prompt_tokens), self.tokenizer.unk_token_id or 100)
+        self._forward({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+
+    @torch.inference_mode()
+    def _forward(self, batch: dict[str, torch.Tensor]) -> np.ndarray:
         batch = {k: v.to(self.device) for k, v in batch.items()}
         token_embeddings = self.model(**batch).last_hidden_state
         mask = batch["attention_mask"].unsqueeze(-1).to(token_embeddings.dtype)

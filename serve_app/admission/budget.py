@@ -75,10 +75,11 @@ class MemoryBudget:
         """Lease ``nbytes`` if they fit now, else return ``None``. Never blocks.
 
         Raises:
-            ValueError: ``nbytes`` is negative.
+            ValueError: ``nbytes`` is negative or not a whole number.
         """
-        if nbytes < 0:
-            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        if nbytes < 0 or nbytes != int(nbytes):
+            raise ValueError(f"nbytes must be a whole number >= 0, got {nbytes}")
+        nbytes = int(nbytes)
         if nbytes > self.free_bytes:
             return None
         self._reserved_bytes += nbytes

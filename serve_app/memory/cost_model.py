@@ -1,28 +1,41 @@
-"""Analytic price of a request in bytes of device memory, from the model's config alone.
+"""The price of a request in bytes of device memory: analytic, and fitted to measurements.
 
-Pure: no torch. Measured profiles (fitted at replica start-up) refine these figures later; this
-estimate is what a replica charges before it has measured anything, and the cross-check for
-what it measures.
+Pure: numpy only, no torch. Every model answers ``request_bytes(batch, prompt_tokens,
+new_tokens=0)``: the peak device bytes, above what the loaded model already holds, of one
+forward pass (embeddings) or one ``generate`` call (causal LMs) over a batch padded to
+``prompt_tokens``.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
+
+import numpy as np
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
-# Live activation buffers of one encoder layer during an inference forward pass (no autograd
-# graph is kept under torch.inference_mode, so only about one layer's tensors are alive at a
-# time). Counted from the layer's data flow (Vaswani et al. 2017, "Attention Is All You Need",
-# section 3; the per-tensor inventory of Korthikanti et al. 2022, "Reducing Activation
-# Recomputation in Large Transformer Models", section 4.1, without the tensors kept only for
-# backward): input residual, Q, K, V, attention output and its projection (6 x hidden); FFN
-# up-projection and its activation (2 x intermediate); attention scores and probabilities in
-# eager attention (2 x heads x seq^2).
+# Live activation buffers of one transformer layer during an inference forward pass (no
+# autograd graph is kept under torch.inference_mode, so only about one layer's tensors are
+# alive at a time). Counted from the layer's data flow (Vaswani et al. 2017, "Attention Is All
+# You Need", section 3; the per-tensor inventory of Korthikanti et al. 2022, "Reducing
+# Activation Recomputation in Large Transformer Models", section 4.1, without the tensors kept
+# only for backward): input residual, Q, K, V, attention output and its projection
+# (6 x hidden); FFN up-projection and its activation (2 x intermediate); attention scores and
+# probabilities in eager attention (2 x heads x seq^2).
 HIDDEN_BUFFERS = 6
 INTERMEDIATE_BUFFERS = 2
 ATTENTION_MATRICES = 2
+# KV cache: K and V per layer, each batch x tokens x kv_heads x head_dim (Pope et al. 2022,
+# "Efficiently Scaling Transformer Inference", section 2.1; vLLM's block size arithmetic).
+KV_TENSORS = 2
+
+
+class CostModel(Protocol):
+    def request_bytes(self, batch: int, prompt_tokens: int, new_tokens: int = 0) -> int:
+        """Peak extra device bytes of a request of this shape."""
 
 
 @dataclass(frozen=True)
@@ -31,9 +44,11 @@ class TransformerShape:
 
     Attributes:
         hidden_size, intermediate_size, num_layers, num_heads: from the HF ``config.json``.
-        vocab_size: embedding rows.
+        vocab_size: embedding rows (and logits width for causal LMs).
         max_positions: longest sequence the model accepts (tokens).
         dtype_bytes: bytes per element of weights and activations (4 for float32).
+        num_kv_heads: key/value heads (fewer than ``num_heads`` under grouped-query attention).
+        is_decoder: a causal LM, which keeps a KV cache and computes logits.
     """
 
     hidden_size: int
@@ -43,6 +58,8 @@ class TransformerShape:
     vocab_size: int
     max_positions: int
     dtype_bytes: int
+    num_kv_heads: int | None = None
+    is_decoder: bool = False
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], dtype_bytes: int) -> TransformerShape:
@@ -58,16 +75,24 @@ class TransformerShape:
             raise KeyError(f"model config has none of {keys}")
 
         hidden = pick("hidden_size", "n_embd", "d_model")
+        heads = pick("num_attention_heads", "n_head", "num_heads")
+        architectures = " ".join(config.get("architectures") or [])
         return cls(
             hidden_size=hidden,
             intermediate_size=int(config.get("intermediate_size") or config.get("n_inner")
                                   or 4 * hidden),
             num_layers=pick("num_hidden_layers", "n_layer", "num_layers"),
-            num_heads=pick("num_attention_heads", "n_head", "num_heads"),
+            num_heads=heads,
             vocab_size=pick("vocab_size"),
             max_positions=pick("max_position_embeddings", "n_positions", "n_ctx"),
             dtype_bytes=dtype_bytes,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            is_decoder="CausalLM" in architectures or "LMHead" in architectures,
         )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
 
     @property
     def approx_param_count(self) -> int:
@@ -75,26 +100,123 @@ class TransformerShape:
         h, i = self.hidden_size, self.intermediate_size
         return (self.vocab_size + self.max_positions) * h + self.num_layers * (4 * h * h + 2 * h * i)
 
+    def kv_cache_bytes(self, batch: int, tokens: int) -> int:
+        """``2 x batch x tokens x layers x kv_heads x head_dim x dtype_bytes`` (0 for encoders)."""
+        if not self.is_decoder:
+            return 0
+        kv_heads = self.num_kv_heads or self.num_heads
+        return (KV_TENSORS * batch * tokens * self.num_layers * kv_heads * self.head_dim
+                * self.dtype_bytes)
+
 
 @dataclass(frozen=True)
 class AnalyticCostModel:
-    """Peak extra bytes of one forward pass over a padded batch, from :class:`TransformerShape`.
+    """Peak extra bytes from :class:`TransformerShape` alone, before anything is measured.
 
-    ``bytes(batch, seq) = dtype_bytes * batch * seq * (6 h + 2 i + 2 heads * seq) + overhead``
-    (constants and sources above). ``overhead_bytes`` covers per-request tensors outside the
-    layers (token ids, mask, pooled output), charged once per request.
+    ``bytes = dtype_bytes x batch x prompt x (6 h + 2 i + 2 heads x prompt)`` (one layer's live
+    activations over the prompt) ``+ KV cache over prompt + new tokens`` (decoders)
+    ``+ dtype_bytes x batch x vocab`` (decoders: one position's logits) ``+ overhead``, with the
+    constants and sources above. ``overhead_bytes`` covers per-request tensors outside the
+    layers (token ids, mask, pooled output).
     """
 
     shape: TransformerShape
     overhead_bytes: int = 1 << 20
 
-    def request_bytes(self, batch: int, seq_tokens: int) -> int:
-        """Bytes for ``batch`` inputs padded to ``seq_tokens`` tokens each (both >= 1)."""
+    def request_bytes(self, batch: int, prompt_tokens: int, new_tokens: int = 0) -> int:
+        """Bytes for ``batch`` inputs padded to ``prompt_tokens`` tokens, generating
+        ``new_tokens`` more each (all >= 0; ``batch``, ``prompt_tokens`` >= 1)."""
         s = self.shape
         per_token = (HIDDEN_BUFFERS * s.hidden_size + INTERMEDIATE_BUFFERS * s.intermediate_size
-                     + ATTENTION_MATRICES * s.num_heads * seq_tokens)
-        return s.dtype_bytes * batch * seq_tokens * per_token + self.overhead_bytes
+                     + ATTENTION_MATRICES * s.num_heads * prompt_tokens)
+        activations = s.dtype_bytes * batch * prompt_tokens * per_token
+        logits = s.dtype_bytes * batch * s.vocab_size if s.is_decoder else 0
+        kv_cache = s.kv_cache_bytes(batch, prompt_tokens + new_tokens)
+        return activations + logits + kv_cache + self.overhead_bytes
 
     def weights_bytes(self) -> int:
         """Approximate bytes the weights hold (parameters x dtype bytes)."""
         return self.shape.approx_param_count * self.shape.dtype_bytes
+
+
+# Features a fitted model may use; each is a function of (batch, prompt, new tokens).
+FEATURES = {
+    "const": lambda b, p, n: 1.0,
+    "batch_tokens": lambda b, p, n: float(b * (p + n)),  # activations per token, KV cache
+    "batch_prompt": lambda b, p, n: float(b * p),  # prefill activations (decoders)
+    "batch_prompt_sq": lambda b, p, n: float(b * p * p),  # attention scores over the prompt
+}
+ENCODER_FEATURES = ("const", "batch_tokens", "batch_prompt_sq")
+DECODER_FEATURES = ("const", "batch_tokens", "batch_prompt", "batch_prompt_sq")
+# Measurements below this are counted as this much when computing relative errors: a page or
+# two of allocator noise on a tiny request is not a 100 % error of the model.
+ERROR_FLOOR_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class FittedCostModel:
+    """``bytes = sum(coefficient_k x feature_k(batch, prompt, new))``, fitted to measured peaks.
+
+    Attributes:
+        features: names from :data:`FEATURES`.
+        coefficients: bytes per unit of each feature (>= 0).
+        fit_error: largest relative error on held-out shapes, ``|pred - meas| / max(meas,
+            ERROR_FLOOR_BYTES)``; ``nan`` when nothing was held out.
+    """
+
+    features: tuple[str, ...]
+    coefficients: tuple[float, ...]
+    fit_error: float = math.nan
+
+    def request_bytes(self, batch: int, prompt_tokens: int, new_tokens: int = 0) -> int:
+        total = sum(c * FEATURES[f](batch, prompt_tokens, new_tokens)
+                    for f, c in zip(self.features, self.coefficients, strict=True))
+        return max(0, math.ceil(total))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "fitted", "features": list(self.features),
+                "coefficients": list(self.coefficients), "fit_error": self.fit_error}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> FittedCostModel:
+        return cls(tuple(raw["features"]), tuple(float(c) for c in raw["coefficients"]),
+                   float(raw["fit_error"]))
+
+
+def fit_cost_model(shapes: Sequence[tuple[int, int, int]], peaks_bytes: Sequence[int],
+                   features: Sequence[str]) -> FittedCostModel:
+    """Fit non-negative coefficients to measured peaks, minimising relative squared error.
+
+    Least squares on rows scaled by ``1 / max(peak, ERROR_FLOOR_BYTES)``, so small and large
+    requests weigh alike; a feature whose coefficient comes out negative is dropped and the
+    fit repeated (non-negativity: memory never shrinks as a request grows). The fit is not
+    padded: how far it may under-predict is measured on held-out shapes
+    (:attr:`FittedCostModel.fit_error`), and ``memory.safety_factor`` is the margin for it.
+
+    Args:
+        shapes: ``(batch, prompt_tokens, new_tokens)`` per measurement.
+        peaks_bytes: measured peak extra bytes per shape (same length).
+        features: candidate feature names from :data:`FEATURES`.
+
+    Raises:
+        ValueError: fewer measurements than features, or lengths differ.
+    """
+    if len(shapes) != len(peaks_bytes) or len(shapes) < len(features):
+        raise ValueError(f"need at least {len(features)} measurements, one per shape")
+    peaks = np.asarray(peaks_bytes, dtype=float)
+    scale = 1.0 / np.maximum(peaks, ERROR_FLOOR_BYTES)
+    active = list(features)
+    while True:
+        design = np.array([[FEATURES[f](*shape) for f in active] for shape in shapes])
+        coefficients, *_ = np.linalg.lstsq(design * scale[:, None], peaks * scale, rcond=None)
+        negative = [f for f, c in zip(active, coefficients, strict=True) if c < 0]
+        if not negative or len(active) == 1:
+            break
+        active.remove(negative[0])
+    coefficients = np.maximum(coefficients, 0.0)
+    return FittedCostModel(tuple(active), tuple(float(c) for c in coefficients))
+
+
+def relative_error(predicted_bytes: int, measured_bytes: int) -> float:
+    """``|predicted - measured| / max(measured, ERROR_FLOOR_BYTES)``."""
+    return abs(predicted_bytes - measured_bytes) / max(measured_bytes, ERROR_FLOOR_BYTES)

@@ -1,4 +1,4 @@
-"""Device memory probes: how much the replica may use, and how much it holds.
+"""Device memory probes: the replica's share of its device, what it holds, and peaks.
 
 Each probe says how it measured (``method``), so a profile never passes host memory off as
 CUDA memory. torch is imported lazily, only by the CUDA probe.
@@ -6,7 +6,9 @@ CUDA memory. torch is imported lazily, only by the CUDA probe.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ctypes
+import ctypes.util
+from pathlib import Path
 from typing import Protocol
 
 import psutil
@@ -24,66 +26,113 @@ class DeviceProbe(Protocol):
     def used_bytes(self) -> int:
         """What this process holds on the device now, bytes."""
 
+    def start_peak(self) -> int:
+        """Start measuring a peak; return the baseline (bytes in use now)."""
 
-@dataclass
+    def peak_bytes(self) -> int:
+        """Highest use since :meth:`start_peak`, bytes (absolute, not above the baseline)."""
+
+
+def _proc_status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024  # the kernel reports kB
+    raise OSError(f"/proc/self/status has no {field}")
+
+
 class HostMemoryProbe:
     """CPU: the "device" is host memory.
 
-    Capacity is ``capacity_bytes`` if configured, else ``host_fraction`` of the RAM available
-    when the probe is created (``psutil.virtual_memory().available``). Use is the process's
-    resident set size (``psutil.Process().memory_info().rss``).
+    Capacity is ``capacity_override_bytes`` if given, else ``host_fraction`` of the RAM
+    available when the probe is created (``psutil.virtual_memory().available``). Use is the
+    process's resident set (``VmRSS``).
+
+    Peaks are the resident-set high-water mark (``VmHWM`` of ``/proc/self/status``), reset
+    before each measurement by writing ``5`` to ``/proc/self/clear_refs`` (Linux >= 4.0, see
+    ``man 5 proc``), after ``malloc_trim(0)`` returns freed heap pages to the kernel so that
+    pages cached by glibc from an earlier run do not hide this run's growth. Where
+    ``/proc/self/clear_refs`` cannot be written, the probe says so in ``method`` and the peak
+    is the high-water mark since process start (an over-estimate).
     """
 
-    capacity_override_bytes: int | None = None
-    host_fraction: float = 0.5
-    device: str = "cpu"
-
-    def __post_init__(self) -> None:
+    def __init__(self, capacity_override_bytes: int | None = None,
+                 host_fraction: float = 0.5) -> None:
+        self.device = "cpu"
+        self._capacity_override_bytes = capacity_override_bytes
+        self._host_fraction = host_fraction
         self._available_at_start = psutil.virtual_memory().available
-        self._process = psutil.Process()
-
-    @property
-    def method(self) -> str:
-        source = ("memory.capacity_bytes" if self.capacity_override_bytes is not None
-                  else f"{self.host_fraction:g} x available RAM")
-        return f"host RSS (psutil); capacity from {source}"
+        libc_name = ctypes.util.find_library("c")
+        self._libc = ctypes.CDLL(libc_name) if libc_name else None
+        self._can_reset_peak = self._reset_peak()
+        source = ("memory.capacity_bytes" if capacity_override_bytes is not None
+                  else f"{host_fraction:g} x available RAM")
+        peak = ("VmHWM after malloc_trim + clear_refs" if self._can_reset_peak
+                else "VmHWM since process start (clear_refs not writable)")
+        self.method = f"host RSS; peaks: {peak}; capacity from {source}"
 
     def capacity_bytes(self) -> int:
-        if self.capacity_override_bytes is not None:
-            return self.capacity_override_bytes
-        return int(self._available_at_start * self.host_fraction)
+        if self._capacity_override_bytes is not None:
+            return self._capacity_override_bytes
+        return int(self._available_at_start * self._host_fraction)
 
     def used_bytes(self) -> int:
-        return self._process.memory_info().rss
+        return _proc_status_bytes("VmRSS")
+
+    def start_peak(self) -> int:
+        self._reset_peak()
+        return self.used_bytes()
+
+    def peak_bytes(self) -> int:
+        return _proc_status_bytes("VmHWM")
+
+    def _reset_peak(self) -> bool:
+        if self._libc is not None and hasattr(self._libc, "malloc_trim"):
+            self._libc.malloc_trim(0)
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+            return True
+        except OSError:
+            return False
 
 
-@dataclass
 class CudaMemoryProbe:
     """CUDA: capacity is the replica's ``share`` of the card (its ``num_gpus``), capped by what
     was free when the probe was created (another process may already use part of the card).
 
-    Use is ``torch.cuda.memory_reserved`` (what PyTorch's caching allocator holds), see
-    https://pytorch.org/docs/stable/notes/cuda.html#memory-management.
+    Use is ``torch.cuda.memory_reserved`` (what PyTorch's caching allocator holds); peaks are
+    ``max_memory_reserved`` after ``reset_peak_memory_stats``
+    (https://pytorch.org/docs/stable/notes/cuda.html#memory-management).
     """
 
-    share: float = 1.0
-    device_index: int = 0
-    capacity_override_bytes: int | None = None
-    method: str = "torch.cuda.mem_get_info / memory_reserved"
+    method = "torch.cuda: capacity mem_get_info x share; use memory_reserved; peaks " \
+             "max_memory_reserved"
 
-    def __post_init__(self) -> None:
+    def __init__(self, share: float = 1.0, device_index: int = 0,
+                 capacity_override_bytes: int | None = None) -> None:
         import torch
 
         self._torch = torch
-        free, total = torch.cuda.mem_get_info(self.device_index)
-        self._free_at_start = free
-        self._total = total
-        self.device = f"cuda:{self.device_index} ({torch.cuda.get_device_name(self.device_index)})"
+        self._index = device_index
+        self._share = share
+        self._capacity_override_bytes = capacity_override_bytes
+        free, total = torch.cuda.mem_get_info(device_index)
+        self.free_at_start_bytes, self.total_bytes = free, total
+        self.device = f"cuda:{device_index} ({torch.cuda.get_device_name(device_index)})"
 
     def capacity_bytes(self) -> int:
-        if self.capacity_override_bytes is not None:
-            return self.capacity_override_bytes
-        return int(min(self._total * self.share, self._free_at_start))
+        if self._capacity_override_bytes is not None:
+            return self._capacity_override_bytes
+        return int(min(self.total_bytes * self._share, self.free_at_start_bytes))
 
     def used_bytes(self) -> int:
-        return self._torch.cuda.memory_reserved(self.device_index)
+        return self._torch.cuda.memory_reserved(self._index)
+
+    def start_peak(self) -> int:
+        self._torch.cuda.synchronize(self._index)
+        self._torch.cuda.empty_cache()
+        self._torch.cuda.reset_peak_memory_stats(self._index)
+        return self.used_bytes()
+
+    def peak_bytes(self) -> int:
+        self._torch.cuda.synchronize(self._index)
+        return self._torch.cuda.max_memory_reserved(self._index)

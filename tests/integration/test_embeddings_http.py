@@ -130,6 +130,11 @@ def test_status_and_probes(client):
     expected = int((replica["capacity_bytes"] - replica["held_bytes"]) * 0.9)
     assert replica["budget_bytes"] == expected
     assert replica["max_request_bytes"] <= replica["budget_bytes"]
+    profile = replica["profile"]
+    assert profile["reused"] is False and profile["points"] >= 5
+    assert profile["method"].startswith("host RSS")
+    assert "batch_tokens" in profile["cost_model"]["features"]
+    assert all(c >= 0 for c in profile["cost_model"]["coefficients"])
 
 
 async def test_health_and_status_answer_while_the_model_is_busy(app):

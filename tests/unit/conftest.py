@@ -13,7 +13,6 @@ import importlib
 import importlib.util
 import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -22,15 +21,6 @@ from serve_app.admission.budget import MemoryBudget
 from serve_app.admission.controller import AdmissionController
 from serve_app.admission.drain import DrainRateEstimator
 from serve_app.admission.queue import AdmissionQueue, Waiter
-
-_UNIT_DIR = Path(__file__).parent
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test under ``tests/unit/`` as ``unit`` (tests are marked by folder)."""
-    for item in items:
-        if _UNIT_DIR in Path(str(item.path)).parents:
-            item.add_marker(pytest.mark.unit)
 
 
 # --- no Ray in unit tests ------------------------------------------------------------------
@@ -62,7 +52,7 @@ def _no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class FakeClock:
-    """A monotonic clock that moves only when told: ``clock()`` reads it, ``advance(s)`` moves it."""
+    """A monotonic clock that moves only when told: ``clock()`` reads, ``advance(s)`` moves."""
 
     def __init__(self, start_s: float = 1000.0) -> None:
         self.now_s = start_s

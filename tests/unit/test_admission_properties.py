@@ -93,6 +93,11 @@ class AdmissionMachine(RuleBasedStateMachine):
     def arrive_small(self, nbytes: int) -> None:
         self.arrive(nbytes)
 
+    @rule(sizes=st.lists(st.integers(0, 60), min_size=2, max_size=6))
+    def burst(self, sizes: list[int]) -> None:
+        for nbytes in sizes:
+            self.arrive(nbytes)
+
     @rule(nbytes=st.integers(0, 150))  # up to half again the largest budget: some never fit
     def arrive(self, nbytes: int) -> None:
         expected = self.predict(nbytes)
@@ -136,6 +141,11 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.reconcile(self.queue.cancel(waiter))
         assert waiter.lease is None
 
+    @precondition(lambda self: len(self.waiting) >= 2)
+    @rule()
+    def cancel_the_blocking_head(self) -> None:
+        self.reconcile(self.queue.cancel(self.waiting.pop(0)))
+
     @precondition(lambda self: any(w is not None for _, w in self.held))
     @rule(pick=st.integers(0, 10**6))
     def cancel_admitted(self, pick: int) -> None:
@@ -154,6 +164,16 @@ class AdmissionMachine(RuleBasedStateMachine):
     @rule(step_s=STEPS_S)
     def tick_and_expire(self, step_s: float) -> None:
         self.now_s += step_s
+        self.check_expire()
+
+    @precondition(lambda self: self.waiting)
+    @rule()
+    def expire_at_a_deadline(self) -> None:
+        """Move the clock exactly onto the earliest deadline: it is due (``<=``), not later."""
+        self.now_s = max(self.now_s, min(w.deadline for w in self.waiting))
+        self.check_expire()
+
+    def check_expire(self) -> None:
         due = [w for w in self.waiting if w.deadline <= self.now_s]
         gone = self.queue.expire()
         assert gone == due  # exactly the ones past their deadline, in arrival order

@@ -93,10 +93,20 @@ def test_double_release_does_not_hand_out_someone_elses_bytes() -> None:
 
 def test_negative_nbytes_is_refused() -> None:
     budget = MemoryBudget(100)
-    with pytest.raises(ValueError, match="nbytes must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="nbytes must be a whole number >= 0, got -1"):
         budget.try_reserve(-1)
     assert budget.reserved_bytes == 0
     assert budget.active_leases == 0
+
+
+def test_fractional_nbytes_is_refused_so_no_byte_leaks() -> None:
+    budget = MemoryBudget(100)
+    with pytest.raises(ValueError, match="whole number"):
+        budget.try_reserve(1.5)
+    lease = budget.try_reserve(2.0)
+    assert lease is not None and lease.nbytes == 2
+    lease.release()
+    assert budget.reserved_bytes == 0
 
 
 @pytest.mark.parametrize("budget_bytes", [0, -1])

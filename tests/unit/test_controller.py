@@ -139,12 +139,6 @@ def test_a_cancel_just_before_admission_hands_the_lease_back(make_controller) ->
     asyncio.run(main())
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (Python 3.11 only): acquire() waits with asyncio.wait_for, which on 3.11 swallows a "
-    "cancellation that arrives after the awaited future completed (fixed in 3.12, gh-86296). "
-    "A task cancelled in the same loop tick as its admission returns an Admission instead of "
-    "raising CancelledError: the request runs for a client that left and the next waiter stays "
-    "blocked. asyncio.timeout() (3.11+) around the shielded await would propagate the cancel"))
 def test_a_cancel_just_after_admission_still_cancels(make_controller) -> None:
     controller = make_controller(budget_bytes=100)
 

@@ -32,7 +32,7 @@ def minilm(dtype_bytes: int = 4) -> TransformerShape:
 def test_bert_keys_are_read() -> None:
     assert minilm() == TransformerShape(hidden_size=384, intermediate_size=1536, num_layers=6,
                                         num_heads=12, vocab_size=30522, max_positions=512,
-                                        dtype_bytes=4)
+                                        dtype_bytes=4, num_kv_heads=12, is_decoder=False)
 
 
 def test_gpt2_keys_are_read_and_the_ffn_defaults_to_four_hidden() -> None:

@@ -105,10 +105,6 @@ def test_retry_after_falls_back_once_releases_leave_the_window(clock) -> None:
     assert drain.retry_after_s(1, fallback_s=4) == 4
 
 
-@pytest.mark.xfail(strict=True, raises=OverflowError, reason=(
-    "BUG: retry_after_s computes math.ceil(fallback_s) before clamping to max_s, so an infinite "
-    "fallback (AdmissionQueue passes max_queue_wait_s, and config accepts "
-    "admission.max_queue_wait_s: .inf) raises OverflowError instead of returning max_s"))
 def test_retry_after_with_an_infinite_fallback_is_max_s(clock) -> None:
     drain = DrainRateEstimator(10.0, clock)
     assert drain.retry_after_s(100, fallback_s=float("inf")) == 60

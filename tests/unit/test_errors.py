@@ -104,3 +104,8 @@ def test_a_raised_and_caught_error_still_pickles() -> None:
     except OverloadedError as err:
         back = pickle.loads(pickle.dumps(err))
     assert (back.code, back.retry_after_s) == ("oom", 2)
+
+
+@pytest.mark.parametrize(("given", "sent"), [(None, 1), (0, 1), (0.2, 1), (2.0, 2), (2.7, 3)])
+def test_overloaded_retry_after_rounds_up_to_a_whole_second(given, sent) -> None:
+    assert OverloadedError("busy", retry_after_s=given).retry_after_s == sent

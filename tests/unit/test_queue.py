@@ -403,14 +403,9 @@ def test_release_through_the_queue_is_idempotent_and_counts_drain_once(make_queu
     assert queue.drain.bytes_per_s() == pytest.approx(5.0)  # 50 B / 10 s, not 100 B
 
 
-# --- bugs -----------------------------------------------------------------------------------
+# --- regressions (found by review) ----------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: submit() validates nbytes only through budget.try_reserve, so a negative nbytes "
-    "raises ValueError when the queue is empty but is QUEUED (queued_bytes goes down) when "
-    "someone waits; when it reaches the head, every pump() raises ValueError, so every later "
-    "release()/cancel() raises and the queue is wedged"))
 def test_negative_nbytes_is_refused_even_when_someone_waits(make_queue) -> None:
     queue = make_queue()
     held = admitted(queue, 100)
@@ -419,7 +414,7 @@ def test_negative_nbytes_is_refused_even_when_someone_waits(make_queue) -> None:
     try:
         with pytest.raises(ValueError):
             decision = queue.submit(-5)
-    finally:  # leave the queue idle either way, so only the xfail reason is reported
+    finally:  # leave the queue idle either way
         if decision is not None and decision.waiter is not None:
             queue.cancel(decision.waiter)
         queue.cancel(waiter)

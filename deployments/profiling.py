@@ -1,0 +1,127 @@
+"""Load a model, measure its device memory, and fit its cost model: shared by every model
+replica at start-up and by ``python -m serve_app profile``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from deployments.engines.embeddings import EmbeddingEngine, resolve_device, resolve_dtype
+from serve_app.config import AppArgs
+from serve_app.memory.budget import derive_budget_bytes
+from serve_app.memory.cost_model import AnalyticCostModel, CostModel
+from serve_app.memory.probes import CudaMemoryProbe, DeviceProbe, HostMemoryProbe
+from serve_app.memory.profiler import MemoryProfile, profile_memory
+
+logger = logging.getLogger("ray.serve")
+
+# A saved profile is reused only while the device still offers at least this share of the
+# capacity it was measured with, and the loaded model holds about what it held then.
+REUSE_MIN_CAPACITY_RATIO = 0.95
+REUSE_HELD_TOLERANCE = 0.25
+
+
+def make_probe(device: str, args: AppArgs) -> DeviceProbe:
+    """The probe for ``device`` (``cpu`` or ``cuda``), sized by the config."""
+    if device == "cuda":
+        return CudaMemoryProbe(share=args.deployment.num_gpus or 1.0,
+                               capacity_override_bytes=args.memory.capacity_bytes)
+    return HostMemoryProbe(args.memory.capacity_bytes, args.memory.host_fraction)
+
+
+@dataclass
+class MeasuredReplica:
+    """A loaded engine and everything measured about its memory.
+
+    Attributes:
+        engine: the loaded model.
+        probe: how the device was measured.
+        profile: the memory profile (measured now, or loaded and re-checked).
+        cost_model: what requests are charged (the profile's fitted model).
+        max_request_bytes: the price of the largest request the limits allow.
+        budget_bytes: the replica's byte budget.
+        reused_profile: the profile came from ``memory.profile_path``.
+    """
+
+    engine: EmbeddingEngine
+    probe: DeviceProbe
+    profile: MemoryProfile
+    cost_model: CostModel
+    max_request_bytes: int
+    budget_bytes: int
+    reused_profile: bool
+
+    def status(self, args: AppArgs) -> dict:
+        """The memory part of ``/v1/status``."""
+        return {
+            "device": self.probe.device, "method": self.probe.method,
+            "capacity_bytes": self.probe.capacity_bytes(), "held_bytes": self.profile.held_bytes,
+            "reserve_bytes": args.memory.reserve_bytes,
+            "safety_factor": args.memory.safety_factor, "budget_bytes": self.budget_bytes,
+            "max_request_bytes": self.max_request_bytes,
+            "profile": {**self.profile.summary(), "reused": self.reused_profile},
+        }
+
+
+def measure_replica(args: AppArgs, on_progress: Callable[[str], None] = logger.info,
+                    ) -> MeasuredReplica:
+    """Load the model, measure what it holds, profile (or reuse a saved profile), derive the
+    budget. Blocking: call it off the event loop.
+
+    Raises:
+        InsufficientMemoryError: the budget cannot hold the largest allowed request.
+        OSError: the model directory is missing or incomplete.
+    """
+    device = resolve_device(args.model.device)
+    probe = make_probe(device, args)
+    used_before = probe.used_bytes()
+    path = args.model.resolved_path()
+    engine = EmbeddingEngine(path, device, resolve_dtype(args.model.dtype, device),
+                             args.model.num_threads or max(1, int(args.deployment.num_cpus)))
+    held_bytes = max(0, probe.used_bytes() - used_before)
+    max_tokens = min(args.limits.max_input_tokens, engine.max_seq_tokens)
+    profile = _reusable_profile(args, probe, str(path), held_bytes)
+    reused = profile is not None
+    if profile is None:
+        profile = profile_memory(
+            engine.profile_run, probe, AnalyticCostModel(engine.shape), task=args.model.task,
+            model_path=str(path), held_bytes=held_bytes, max_batch=args.limits.max_inputs,
+            max_prompt_tokens=max_tokens, on_progress=on_progress)
+        on_progress("memory profile:\n" + profile.table())
+    max_request_bytes = profile.cost_model.request_bytes(args.limits.max_inputs, max_tokens)
+    budget_bytes = derive_budget_bytes(
+        probe.capacity_bytes(), held_bytes, args.memory.reserve_bytes, args.memory.safety_factor,
+        min_request_bytes=max_request_bytes if args.admission.policy == "budget" else 0,
+        override_bytes=args.memory.budget_bytes)
+    return MeasuredReplica(engine, probe, profile, profile.cost_model, max_request_bytes,
+                           budget_bytes, reused)
+
+
+def _reusable_profile(args: AppArgs, probe: DeviceProbe, model_path: str,
+                      held_bytes: int) -> MemoryProfile | None:
+    if not args.memory.profile_path:
+        return None
+    path = Path(args.memory.profile_path).expanduser()
+    try:
+        saved = MemoryProfile.load(path)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        logger.warning("cannot use the profile %s (%s); profiling again", path, exc)
+        return None
+    problems = []
+    if (saved.device, saved.task, saved.model_path) != (probe.device, args.model.task,
+                                                        model_path):
+        problems.append(f"measured on {saved.device} for {saved.task} {saved.model_path}, "
+                        f"this replica has {probe.device} for {args.model.task} {model_path}")
+    if probe.capacity_bytes() < REUSE_MIN_CAPACITY_RATIO * saved.capacity_bytes:
+        problems.append(f"capacity now {probe.capacity_bytes()} bytes, measured with "
+                        f"{saved.capacity_bytes}")
+    if abs(held_bytes - saved.held_bytes) > REUSE_HELD_TOLERANCE * max(saved.held_bytes, 1):
+        problems.append(f"the model holds {held_bytes} bytes now, {saved.held_bytes} then")
+    if problems:
+        logger.warning("profile %s does not match this device (%s); profiling again",
+                       path, "; ".join(problems))
+        return None
+    return MemoryProfile(**{**saved.__dict__, "held_bytes": held_bytes,
+                            "capacity_bytes": probe.capacity_bytes()})

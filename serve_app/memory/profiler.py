@@ -1,0 +1,202 @@
+"""Start-up memory profiling: run real inferences over a ladder of sizes, fit the cost model.
+
+Engine- and device-agnostic: the caller passes a ``run(batch, prompt_tokens, new_tokens)``
+that performs one real inference of that shape, and a probe
+(:class:`serve_app.memory.probes.DeviceProbe`) that measures its peak. No torch import here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from serve_app.memory.cost_model import (
+    DECODER_FEATURES,
+    ENCODER_FEATURES,
+    AnalyticCostModel,
+    FittedCostModel,
+    fit_cost_model,
+    relative_error,
+)
+from serve_app.memory.probes import DeviceProbe
+
+logger = logging.getLogger(__name__)
+
+Shape = tuple[int, int, int]  # (batch, prompt_tokens, new_tokens)
+PROFILE_VERSION = 1
+
+
+def profile_ladder(max_batch: int, max_prompt_tokens: int,
+                   max_new_tokens: int = 0) -> tuple[list[Shape], list[Shape]]:
+    """Shapes to measure: a grid for fitting, and off-grid shapes held out to test the fit.
+
+    The grid spans 1..``max_batch`` x a few prompt lengths up to ``max_prompt_tokens`` (x new
+    tokens up to ``max_new_tokens`` for generation), so the largest request the limits allow is
+    always measured. Returns ``(train, held_out)``, smallest first.
+    """
+    batches = sorted({1, max(1, max_batch // 4), max_batch})
+    prompts = sorted({min(8, max_prompt_tokens), max(1, max_prompt_tokens // 2),
+                      max_prompt_tokens})
+    news = sorted({1, max(1, max_new_tokens // 2), max_new_tokens}) if max_new_tokens else [0]
+    train = [(b, p, n) for b in batches for p in prompts for n in news]
+    candidates = [(max(1, max_batch // 2), max(1, 3 * max_prompt_tokens // 4),
+                   3 * max_new_tokens // 4),
+                  (max(1, max_batch // 8), max(1, max_prompt_tokens // 4), max_new_tokens // 4)]
+    held_out = sorted({s for s in candidates if s not in train})
+    return sorted(train, key=_volume), held_out
+
+
+def _volume(shape: Shape) -> int:
+    return shape[0] * (shape[1] + shape[2])
+
+
+@dataclass(frozen=True)
+class ProfilePoint:
+    """One measured inference: its shape, measured peak, and what the models predict."""
+
+    batch: int
+    prompt_tokens: int
+    new_tokens: int
+    measured_bytes: int
+    predicted_bytes: int
+    analytic_bytes: int
+    held_out: bool
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """What a replica measured at start-up, and the budget derived from it.
+
+    Attributes:
+        device, method: the probe's device and how it measured (e.g. host RSS high-water mark).
+        task, model_path: what was profiled.
+        capacity_bytes: the replica's share of the device.
+        held_bytes: what the loaded model holds (use after load - use before).
+        cost_model: the fitted model (coefficients, held-out error).
+        points: every measurement, with predictions of the fitted and analytic models.
+        duration_s: how long profiling took.
+    """
+
+    device: str
+    method: str
+    task: str
+    model_path: str
+    capacity_bytes: int
+    held_bytes: int
+    cost_model: FittedCostModel
+    points: tuple[ProfilePoint, ...]
+    duration_s: float
+    created_at: float = field(default_factory=time.time)
+
+    @property
+    def fit_error(self) -> float:
+        return self.cost_model.fit_error
+
+    @property
+    def analytic_ratio_range(self) -> tuple[float, float]:
+        """Smallest and largest ``analytic / measured`` over the points (floor 1 MiB)."""
+        ratios = [p.analytic_bytes / max(p.measured_bytes, 1 << 20) for p in self.points]
+        return min(ratios), max(ratios)
+
+    def to_dict(self) -> dict[str, Any]:
+        raw = asdict(self)
+        raw["cost_model"] = self.cost_model.to_dict()
+        raw["version"] = PROFILE_VERSION
+        return raw
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> MemoryProfile:
+        """Raises ValueError for a file of another version or shape."""
+        if raw.get("version") != PROFILE_VERSION:
+            raise ValueError(f"profile version {raw.get('version')!r}, expected "
+                             f"{PROFILE_VERSION}; profile again")
+        fields = {k: v for k, v in raw.items() if k != "version"}
+        fields["cost_model"] = FittedCostModel.from_dict(raw["cost_model"])
+        fields["points"] = tuple(ProfilePoint(**p) for p in raw["points"])
+        return cls(**fields)
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> MemoryProfile:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def summary(self) -> dict[str, Any]:
+        """The JSON-ready digest shown in ``/v1/status``."""
+        low, high = self.analytic_ratio_range
+        return {"method": self.method, "cost_model": self.cost_model.to_dict(),
+                "points": len(self.points), "duration_s": round(self.duration_s, 2),
+                "analytic_over_measured": [round(low, 2), round(high, 2)]}
+
+    def table(self) -> str:
+        """A plain-text table of the measurements (MiB), for the CLI and the logs."""
+        header = (f"{'batch':>5} {'prompt':>6} {'new':>4} {'measured':>9} {'fitted':>9} "
+                  f"{'error':>6} {'analytic':>9}  set")
+        rows = [header]
+        for p in self.points:
+            rows.append(
+                f"{p.batch:>5} {p.prompt_tokens:>6} {p.new_tokens:>4} "
+                f"{p.measured_bytes / 2**20:>9.1f} {p.predicted_bytes / 2**20:>9.1f} "
+                f"{relative_error(p.predicted_bytes, p.measured_bytes):>6.1%} "
+                f"{p.analytic_bytes / 2**20:>9.1f}  {'held-out' if p.held_out else 'fit'}")
+        return "\n".join(rows)
+
+
+def measure_peaks(run: Callable[[int, int, int], Any], probe: DeviceProbe,
+                  shapes: list[Shape], on_progress: Callable[[str], None] = logger.info,
+                  ) -> list[int]:
+    """Run each shape once and return its peak bytes above the pre-run baseline."""
+    peaks = []
+    for i, shape in enumerate(shapes, 1):
+        baseline = probe.start_peak()
+        started = time.monotonic()
+        run(*shape)
+        peaks.append(max(0, probe.peak_bytes() - baseline))
+        on_progress(f"profiled {i}/{len(shapes)}: batch={shape[0]} prompt={shape[1]} "
+                    f"new={shape[2]} peak={peaks[-1] / 2**20:.1f} MiB "
+                    f"({time.monotonic() - started:.2f} s)")
+    return peaks
+
+
+def profile_memory(run: Callable[[int, int, int], Any], probe: DeviceProbe,
+                   analytic: AnalyticCostModel, *, task: str, model_path: str,
+                   held_bytes: int, max_batch: int, max_prompt_tokens: int,
+                   max_new_tokens: int = 0,
+                   on_progress: Callable[[str], None] = logger.info) -> MemoryProfile:
+    """Measure the ladder of :func:`profile_ladder`, fit the cost model, check it on held-out
+    shapes. One warm-up run of the smallest shape first: first calls allocate lazily (thread
+    pools, kernels) and would read as request memory.
+
+    Raises:
+        ValueError: the measurements are all zero (the probe sees nothing; fix the probe).
+    """
+    started = time.monotonic()
+    train, held_out = profile_ladder(max_batch, max_prompt_tokens, max_new_tokens)
+    run(*train[0])
+    peaks = measure_peaks(run, probe, train + held_out, on_progress)
+    train_peaks, held_peaks = peaks[:len(train)], peaks[len(train):]
+    if not any(peaks):
+        raise ValueError(f"every measured peak was 0 bytes with {probe.method}")
+    features = DECODER_FEATURES if analytic.shape.is_decoder else ENCODER_FEATURES
+    if max_new_tokens == 0:
+        features = tuple(f for f in features if f != "batch_prompt")
+    fitted = fit_cost_model(train, train_peaks, features)
+    errors = [relative_error(fitted.request_bytes(*s), m) for s, m in zip(held_out, held_peaks)]
+    fitted = FittedCostModel(fitted.features, fitted.coefficients,
+                             max(errors) if errors else float("nan"))
+    points = tuple(
+        ProfilePoint(*shape, measured_bytes=measured,
+                     predicted_bytes=fitted.request_bytes(*shape),
+                     analytic_bytes=analytic.request_bytes(*shape), held_out=i >= len(train))
+        for i, (shape, measured) in enumerate(zip(train + held_out, peaks)))
+    return MemoryProfile(device=probe.device, method=probe.method, task=task,
+                         model_path=model_path, capacity_bytes=probe.capacity_bytes(),
+                         held_bytes=held_bytes, cost_model=fitted, points=points,
+                         duration_s=time.monotonic() - started)
