@@ -8,13 +8,16 @@ echoes it on every response; the ingress reads it from the request for its logs.
 
 # No `from __future__ import annotations` here: FastAPI reads the route signatures at run time.
 import base64
+import json
 import logging
 import time
+import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
@@ -30,7 +33,13 @@ from serve_app.errors import (
     ServeAppError,
 )
 from serve_app.http_errors import as_serve_app_error, error_response, install_error_handlers
-from serve_app.schemas import EmbeddingRequest, EmbeddingResult
+from deployments.engines.base import GenerationParams
+from serve_app.schemas import (
+    CompletionRequest,
+    CompletionResult,
+    EmbeddingRequest,
+    EmbeddingResult,
+)
 
 logger = logging.getLogger("ray.serve")
 
@@ -106,7 +115,10 @@ class Ingress:
                       description="Memory-budget admission for model serving on Ray Serve.")
         app.add_middleware(BodyLimitMiddleware, max_body_bytes=self._args.limits.max_body_bytes)
         install_error_handlers(app)
-        app.post("/v1/embeddings")(self.embeddings)
+        if self._args.model.task in ("embed", "fake"):
+            app.post("/v1/embeddings")(self.embeddings)
+        if self._args.model.task in ("generate", "fake"):
+            app.post("/v1/completions")(self.completions)
         app.get("/v1/models")(self.models)
         app.get("/v1/status")(self.status)
         app.get("/healthz")(self.healthz)
@@ -121,7 +133,7 @@ class Ingress:
             raise InvalidRequestError(
                 f"{len(texts)} inputs; the limit is {self._args.limits.max_inputs}",
                 code="input")
-        result: EmbeddingResult = await self._call_model("embed", texts)
+        result: EmbeddingResult = await self._call_model(self._model.embed, texts)
         vectors = _fit_dimensions(result.embeddings, body.dimensions)
         data = [{"object": "embedding", "index": i,
                  "embedding": _encode(vector, body.encoding_format)}
@@ -129,8 +141,63 @@ class Ingress:
         usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
         return JSONResponse(
             {"object": "list", "data": data, "model": self._args.model.name, "usage": usage},
-            headers={"X-Queue-Wait-Ms": str(round(result.queue_wait_s * 1000)),
-                     "X-Queue-Position": str(result.queue_position)})
+            headers=result.admitted.headers())
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        """``POST /v1/completions`` (OpenAI-compatible; ``stream: true`` for server-sent
+        events ending with ``data: [DONE]``)."""
+        self._check_model(body.model)
+        if body.max_tokens > self._args.limits.max_tokens:
+            raise InvalidRequestError(
+                f"max_tokens={body.max_tokens} exceeds the limit of "
+                f"{self._args.limits.max_tokens}", code="max_tokens")
+        params = GenerationParams(body.max_tokens, body.temperature, body.top_p, body.seed,
+                                  body.stop_strings())
+        completion_id = f"cmpl-{request.headers.get('x-request-id', uuid.uuid4().hex)}"
+        created = int(time.time())
+        if body.stream:
+            return await self._stream_completion(body.prompt, params, completion_id, created)
+        result: CompletionResult = await self._call_model(self._model.complete, body.prompt,
+                                                          params)
+        return JSONResponse({
+            "id": completion_id, "object": "text_completion", "created": created,
+            "model": self._args.model.name,
+            "choices": [{"index": 0, "text": result.text, "logprobs": None,
+                         "finish_reason": result.finish_reason}],
+            "usage": {"prompt_tokens": result.prompt_tokens,
+                      "completion_tokens": result.completion_tokens,
+                      "total_tokens": result.prompt_tokens + result.completion_tokens},
+        }, headers=result.admitted.headers())
+
+    async def _stream_completion(self, prompt: str, params: GenerationParams,
+                                 completion_id: str, created: int) -> StreamingResponse:
+        """Admission errors come before the first byte, as ordinary HTTP errors; anything
+        after it goes in-band as a final ``data: {"error": ...}`` event, then ``[DONE]``."""
+        stream = self._model.options(stream=True).complete_stream.remote(prompt, params)
+        first = await self._call_model(lambda: stream.__anext__())
+
+        def chunk(text: str, finish_reason: str | None) -> str:
+            return _sse({"id": completion_id, "object": "text_completion", "created": created,
+                         "model": self._args.model.name,
+                         "choices": [{"index": 0, "text": text, "logprobs": None,
+                                      "finish_reason": finish_reason}]})
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                async for item in stream:
+                    if "text" in item:
+                        yield chunk(item["text"], None)
+                    else:
+                        yield chunk("", item["finish_reason"])
+            except Exception as exc:  # after the first byte: in-band, never a broken stream
+                yield _sse(as_serve_app_error(exc).to_body())
+            finally:
+                stream.cancel()
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={**first["admitted"].headers(),
+                                          "Cache-Control": "no-cache"})
 
     async def models(self) -> dict[str, Any]:
         """``GET /v1/models``."""
@@ -155,11 +222,13 @@ class Ingress:
                 retry_after_s=1))
         return JSONResponse({"status": "ready", "replicas": len(replicas)})
 
-    async def _call_model(self, method: str, *args: Any) -> Any:
-        """Call the model deployment; any failure leaves as a typed error (Ray's back-pressure
-        and unavailability included), so FastAPI's handlers render it."""
+    async def _call_model(self, method: Any, *args: Any) -> Any:
+        """Call ``method`` (a handle method, or any coroutine function); any failure leaves as
+        a typed error (Ray's back-pressure and unavailability included), so FastAPI's
+        handlers render it."""
         try:
-            return await getattr(self._model, method).remote(*args)
+            call = method.remote(*args) if hasattr(method, "remote") else method(*args)
+            return await call
         except ServeAppError:
             raise
         except BackPressureError:
@@ -208,6 +277,10 @@ def _fit_dimensions(embeddings: np.ndarray, dimensions: int | None) -> np.ndarra
             code="dimensions")
     cut = embeddings[:, :dimensions]
     return cut / np.maximum(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12)
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
 def _encode(vector: np.ndarray, encoding_format: str) -> list[float] | str:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -23,8 +25,9 @@ from deployments.registry import PUBLISH_PERIOD_S
 from serve_app.admission.controller import Admission, AdmissionController
 from serve_app.admission.policy import AdmissionPolicy
 from serve_app.config import parse_args
-from serve_app.errors import InferenceTimeoutError, InvalidRequestError
-from serve_app.schemas import EmbeddingResult
+from deployments.engines.base import GenerationParams
+from serve_app.errors import InferenceTimeoutError, InvalidRequestError, ModelNotFoundError
+from serve_app.schemas import Admitted, CompletionResult, EmbeddingResult
 
 logger = logging.getLogger("ray.serve")
 
@@ -57,7 +60,9 @@ class ModelServer:
         context = serve.get_replica_context()
         self._replica_id = context.replica_id.unique_id if context else "local"
         self._memory = measured.status(args)
-        self._node_id = ray.get_runtime_context().get_node_id()
+        runtime = ray.get_runtime_context()
+        self._node_id = runtime.get_node_id()
+        self._gpu_ids = [str(i) for i in runtime.get_accelerator_ids().get("GPU", [])]
         self._inferences_running = 0
         self._registry = registry
         self._publisher = loop.create_task(self._publish_forever()) if registry else None
@@ -67,33 +72,112 @@ class ModelServer:
         """Embed ``texts`` (1..limits.max_inputs strings) once admitted.
 
         Raises:
+            ModelNotFoundError: this replica serves another task (404).
             InvalidRequestError: an input has more than ``limits.max_input_tokens`` tokens.
             RequestTooLargeError, OverloadedError: from admission (400, 503).
             InferenceTimeoutError: inference ran past ``admission.inference_timeout_s`` (504).
         """
+        self._require_task("embed")
         token_counts = await asyncio.to_thread(self._engine.count_tokens, texts)
-        too_long = [i for i, n in enumerate(token_counts) if n > self._max_input_tokens]
-        if too_long:
-            raise InvalidRequestError(
-                f"input[{too_long[0]}] has {token_counts[too_long[0]]} tokens; the limit is "
-                f"{self._max_input_tokens}", code="input")
-        request_bytes = self._cost_model.request_bytes(len(token_counts), max(token_counts))
-        admission = await self._gate.acquire(self._policy.units(request_bytes))
-        embeddings = await self._run_leased(admission, lambda: self._engine.embed(texts))
-        return EmbeddingResult(embeddings, sum(token_counts), admission.queue_wait_s,
-                               admission.queue_position, self._replica_id)
+        for i, n in enumerate(token_counts):
+            self._check_tokens(n, self._max_input_tokens, f"input[{i}]", "input")
+        admitted = await self._admit(len(token_counts), max(token_counts), 0)
+        embeddings = await self._run_leased(admitted, lambda: self._engine.embed(texts))
+        return EmbeddingResult(embeddings, sum(token_counts), _admitted(admitted),
+                               self._replica_id)
 
-    async def _run_leased(self, admission: Admission, work: Any) -> Any:
-        """Run ``work`` on the inference thread; release the lease when the thread returns,
-        whatever happens to the caller meanwhile (timeout, cancellation)."""
+    async def complete(self, prompt: str, params: GenerationParams) -> CompletionResult:
+        """Complete ``prompt`` once admitted; priced by prompt tokens + ``max_tokens``.
+
+        Raises: as :meth:`embed`, with ``prompt`` / ``max_tokens`` as the offending fields.
+        """
+        admitted, prompt_tokens = await self._admit_prompt(prompt, params)
+        output = await self._run_leased(
+            admitted, lambda: self._engine.generate(prompt, params))
+        return CompletionResult(output.text, output.finish_reason, prompt_tokens,
+                                output.completion_tokens, _admitted(admitted))
+
+    async def complete_stream(self, prompt: str,
+                              params: GenerationParams) -> AsyncIterator[dict[str, Any]]:
+        """Stream a completion: first ``{"admitted": Admitted}`` once the lease is held, then
+        ``{"text": piece}`` items, then ``{"finish_reason", "prompt_tokens",
+        "completion_tokens"}``. Errors before the first item are the same as :meth:`complete`;
+        an error after it (e.g. ``InferenceTimeoutError``) ends the stream by raising.
+
+        When the consumer goes away, generation stops at the next token and the lease is
+        released once the inference thread has returned.
+        """
+        admitted, prompt_tokens = await self._admit_prompt(prompt, params)
         loop = asyncio.get_running_loop()
-        self._inferences_running += 1
+        pieces: asyncio.Queue[str] = asyncio.Queue()
+        consumer_gone = threading.Event()
+
+        def on_text(piece: str) -> bool:  # runs on the inference thread
+            if consumer_gone.is_set():
+                return False
+            loop.call_soon_threadsafe(pieces.put_nowait, piece)
+            return True
+
+        try:
+            yield {"admitted": _admitted(admitted)}
+        except BaseException:
+            self._gate.release(admitted.lease, ran=False)
+            raise
+        future = self._start_leased(
+            admitted, lambda: self._engine.generate(prompt, params, on_text))
+        deadline = loop.time() + self._args.admission.inference_timeout_s
+        try:
+            while not future.done():
+                getter = asyncio.ensure_future(pieces.get())
+                done, _ = await asyncio.wait({getter, future}, timeout=deadline - loop.time(),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if getter in done:
+                    yield {"text": getter.result()}
+                    continue
+                getter.cancel()
+                if not done:
+                    raise self._timeout_error()
+            while not pieces.empty():  # pieces put before the thread returned
+                yield {"text": pieces.get_nowait()}
+            output = future.result()
+            yield {"finish_reason": output.finish_reason, "prompt_tokens": prompt_tokens,
+                   "completion_tokens": output.completion_tokens}
+        finally:
+            consumer_gone.set()
+
+    async def _admit_prompt(self, prompt: str, params: GenerationParams,
+                            ) -> tuple[Admission, int]:
+        self._require_task("generate")
+        [prompt_tokens] = await asyncio.to_thread(self._engine.count_tokens, [prompt])
+        self._check_tokens(prompt_tokens, self._max_input_tokens, "prompt", "prompt")
+        self._check_tokens(prompt_tokens + params.max_tokens, self._engine.max_seq_tokens,
+                           "prompt + max_tokens", "max_tokens")
+        return await self._admit(1, prompt_tokens, params.max_tokens), prompt_tokens
+
+    async def _admit(self, batch: int, prompt_tokens: int, new_tokens: int) -> Admission:
+        request_bytes = self._cost_model.request_bytes(batch, prompt_tokens, new_tokens)
+        return await self._gate.acquire(self._policy.units(request_bytes))
+
+    def _require_task(self, task: str) -> None:
+        if self._engine.task not in (task, "fake"):  # the fake engine serves both
+            raise ModelNotFoundError(f"model {self._args.model.name!r} does not serve {task}")
+
+    @staticmethod
+    def _check_tokens(tokens: int, limit: int, what: str, code: str) -> None:
+        if tokens > limit:
+            raise InvalidRequestError(f"{what} has {tokens} tokens; the limit is {limit}",
+                                      code=code)
+
+    def _start_leased(self, admission: Admission, work: Callable[[], Any]) -> asyncio.Future:
+        """Start ``work`` on the inference thread. The lease is released when the thread
+        returns, whatever happens to the caller meanwhile (timeout, cancellation)."""
+        loop = asyncio.get_running_loop()
         try:
             future = loop.run_in_executor(self._executor, work)
         except BaseException:
-            self._inferences_running -= 1
             self._gate.release(admission.lease, ran=False)
             raise
+        self._inferences_running += 1
 
         def finished(done: asyncio.Future) -> None:
             self._inferences_running -= 1
@@ -102,13 +186,25 @@ class ModelServer:
                 done.exception()  # retrieved here so an abandoned failure is not logged twice
 
         future.add_done_callback(finished)
-        timeout_s = self._args.admission.inference_timeout_s
+        return future
+
+    async def _run_leased(self, admission: Admission, work: Callable[[], Any]) -> Any:
+        """:meth:`_start_leased`, then wait up to ``admission.inference_timeout_s``.
+
+        Raises:
+            InferenceTimeoutError: the thread is still running at the deadline (its lease
+                stays held until it returns).
+        """
+        future = self._start_leased(admission, work)
         try:
-            async with asyncio.timeout(timeout_s):
+            async with asyncio.timeout(self._args.admission.inference_timeout_s):
                 return await asyncio.shield(future)
         except TimeoutError:
-            raise InferenceTimeoutError(
-                f"inference ran longer than {timeout_s:g} s") from None
+            raise self._timeout_error() from None
+
+    def _timeout_error(self) -> InferenceTimeoutError:
+        return InferenceTimeoutError(
+            f"inference ran longer than {self._args.admission.inference_timeout_s:g} s")
 
     async def status(self) -> dict[str, Any]:
         """This replica's admission state (JSON-ready; see ``GET /v1/status``).
@@ -120,7 +216,10 @@ class ModelServer:
         return {
             "replica_id": self._replica_id,
             "node_id": self._node_id,
+            "gpu_ids": self._gpu_ids,
+            "num_gpus": self._args.deployment.num_gpus,
             "model": self._args.model.name,
+            "task": self._engine.task,
             "policy": self._policy.name,
             "gate_units": {"budget": "bytes", "semaphore": "requests"}.get(self._policy.name,
                                                                            "none"),
@@ -153,3 +252,7 @@ class ModelServer:
             self._publisher.cancel()
         if getattr(self, "_executor", None) is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _admitted(admission: Admission) -> Admitted:
+    return Admitted(admission.queue_wait_s, admission.queue_position)

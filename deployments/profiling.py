@@ -8,11 +8,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from deployments.engines.base import Engine
 from deployments.engines.embeddings import EmbeddingEngine, resolve_device, resolve_dtype
+from deployments.engines.fake import FakeEngine
+from deployments.engines.generation import GenerationEngine
 from serve_app.config import AppArgs
 from serve_app.memory.budget import derive_budget_bytes
 from serve_app.memory.cost_model import AnalyticCostModel, CostModel
 from serve_app.memory.probes import CudaMemoryProbe, DeviceProbe, HostMemoryProbe
+from serve_app.memory.simulated import SimulatedDevice, SimulatedDeviceProbe
 from serve_app.memory.profiler import MemoryProfile, profile_memory
 
 logger = logging.getLogger("ray.serve")
@@ -45,7 +49,7 @@ class MeasuredReplica:
         reused_profile: the profile came from ``memory.profile_path``.
     """
 
-    engine: EmbeddingEngine
+    engine: Engine
     probe: DeviceProbe
     profile: MemoryProfile
     cost_model: CostModel
@@ -74,29 +78,65 @@ def measure_replica(args: AppArgs, on_progress: Callable[[str], None] = logger.i
         InsufficientMemoryError: the budget cannot hold the largest allowed request.
         OSError: the model directory is missing or incomplete.
     """
-    device = resolve_device(args.model.device)
-    probe = make_probe(device, args)
-    used_before = probe.used_bytes()
-    path = args.model.resolved_path()
-    engine = EmbeddingEngine(path, device, resolve_dtype(args.model.dtype, device),
-                             args.model.num_threads or max(1, int(args.deployment.num_cpus)))
-    held_bytes = max(0, probe.used_bytes() - used_before)
-    max_tokens = min(args.limits.max_input_tokens, engine.max_seq_tokens)
+    probe, engine, held_bytes = _load(args)
+    path = "fake" if args.model.task == "fake" else args.model.resolved_path()
+    largest = largest_request(args, engine)
     profile = _reusable_profile(args, probe, str(path), held_bytes)
     reused = profile is not None
     if profile is None:
         profile = profile_memory(
             engine.profile_run, probe, AnalyticCostModel(engine.shape), task=args.model.task,
-            model_path=str(path), held_bytes=held_bytes, max_batch=args.limits.max_inputs,
-            max_prompt_tokens=max_tokens, on_progress=on_progress)
+            model_path=str(path), held_bytes=held_bytes, max_batch=largest[0],
+            max_prompt_tokens=largest[1], max_new_tokens=largest[2], on_progress=on_progress)
         on_progress("memory profile:\n" + profile.table())
-    max_request_bytes = profile.cost_model.request_bytes(args.limits.max_inputs, max_tokens)
+    max_request_bytes = profile.cost_model.request_bytes(*largest)
     budget_bytes = derive_budget_bytes(
         probe.capacity_bytes(), held_bytes, args.memory.reserve_bytes, args.memory.safety_factor,
         min_request_bytes=max_request_bytes if args.admission.policy == "budget" else 0,
         override_bytes=args.memory.budget_bytes)
     return MeasuredReplica(engine, probe, profile, profile.cost_model, max_request_bytes,
                            budget_bytes, reused)
+
+
+def _load(args: AppArgs) -> tuple[DeviceProbe, Engine, int]:
+    """Probe the device, load the engine, and measure what loading it took (bytes)."""
+    if args.model.task == "fake":
+        share = args.deployment.num_gpus or 1.0
+        fake = args.fake
+        # One replica's share of the card: the simulated device is per process, so it is
+        # built at the share's size and overruns exactly where the replica's share ends.
+        device = SimulatedDevice(int(fake.device_capacity_bytes * share),
+                                 name=f"{share:g} of a simulated {fake.device_capacity_bytes} "
+                                      "byte card")
+        probe: DeviceProbe = SimulatedDeviceProbe(device)
+        engine: Engine = FakeEngine(device, fake.weights_bytes, fake.bytes_per_token,
+                                    fake.bytes_per_request, fake.latency_per_token_s,
+                                    fake.dimensions, fake.max_seq_tokens)
+        return probe, engine, device.allocated_bytes
+    device_kind = resolve_device(args.model.device)
+    probe = make_probe(device_kind, args)
+    used_before = probe.used_bytes()
+    engine_class = GenerationEngine if args.model.task == "generate" else EmbeddingEngine
+    engine = engine_class(args.model.resolved_path(), device_kind,
+                          resolve_dtype(args.model.dtype, device_kind),
+                          args.model.num_threads or max(1, int(args.deployment.num_cpus)))
+    return probe, engine, max(0, probe.used_bytes() - used_before)
+
+
+def largest_request(args: AppArgs, engine: Engine) -> tuple[int, int, int]:
+    """``(batch, prompt_tokens, new_tokens)`` of the largest request the limits allow: for
+    embeddings ``limits.max_inputs`` inputs of ``limits.max_input_tokens``; for generation one
+    prompt of ``limits.max_input_tokens`` plus ``limits.max_tokens`` new tokens (capped at the
+    model's context length)."""
+    max_prompt = min(args.limits.max_input_tokens, engine.max_seq_tokens)
+    if engine.task == "fake":  # serves both: the larger of the two shapes in each dimension
+        max_prompt = min(max_prompt, engine.max_seq_tokens - 1)
+        return (args.limits.max_inputs, max_prompt,
+                min(args.limits.max_tokens, engine.max_seq_tokens - max_prompt))
+    if engine.task == "generate":
+        max_prompt = min(max_prompt, engine.max_seq_tokens - 1)
+        return 1, max_prompt, min(args.limits.max_tokens, engine.max_seq_tokens - max_prompt)
+    return args.limits.max_inputs, max_prompt, 0
 
 
 def _reusable_profile(args: AppArgs, probe: DeviceProbe, model_path: str,

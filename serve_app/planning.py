@@ -1,20 +1,33 @@
 """Deployment options derived from the config, so no config hand-copies them.
 
-Run where ``serve run`` builds the application. The figures here are the analytic estimate
-(model ``config.json`` + :class:`~serve_app.memory.cost_model.AnalyticCostModel`); each
-replica still measures its own device at start-up and is the authority on admission.
+Run where ``serve run`` builds the application, and by ``python -m serve_app profile`` to
+recommend options from a fresh measurement. The number of requests a replica can run at once
+is ``budget // price of one P95 request``, from, in order of preference:
+
+1. a **measured profile** (``memory.profile_path``, written by ``python -m serve_app
+   profile``): the budget from its measured capacity and held bytes, the price from its
+   fitted cost model;
+2. the **analytic estimate**: the weights and the price from the model's ``config.json``
+   through :class:`~serve_app.memory.cost_model.AnalyticCostModel`.
+
+Either way each replica still measures its own device at start-up and is the authority on
+admission; these figures only size Ray Serve's per-replica cap.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import psutil
 
 from serve_app.config import AppArgs
+from serve_app.memory.budget import derive_budget_bytes
 from serve_app.memory.cost_model import DTYPE_BYTES, AnalyticCostModel, TransformerShape
+from serve_app.memory.profiler import MemoryProfile
 
 logger = logging.getLogger(__name__)
 
@@ -22,23 +35,34 @@ logger = logging.getLogger(__name__)
 # built (a GPU replica planned on a CPU-only head node, without memory.capacity_bytes).
 FALLBACK_MAX_RUNNING = 32
 MAX_ONGOING_REQUESTS_CAP = 1024
+# A recommended num_gpus is a whole number of these steps of one card (1/20 = 0.05).
+GPU_SHARE_STEPS_PER_CARD = 20
 
 
 @dataclass(frozen=True)
 class DeploymentPlan:
-    """Ray Serve options of the model deployment.
+    """Ray Serve options of the model deployment, and the figures they came from.
 
     Attributes:
         num_gpus: GPU share per replica (``deployment.num_gpus``).
-        max_ongoing_requests: Ray Serve's per-replica cap: requests the budget can run at once
-            plus the admission queue, so waiting happens in the replica's FIFO (which prices and
-            times out) rather than unseen at the caller.
+        max_ongoing_requests: Ray Serve's per-replica cap:
+            ``min(MAX_ONGOING_REQUESTS_CAP, max_running_estimate + admission.max_queue_len)``
+            (or ``deployment.max_ongoing_requests`` when set), so waiting happens in the
+            replica's FIFO (which prices and times out) rather than unseen at the caller.
         max_queued_requests: Ray Serve's bound on requests waiting at each caller (the
             ingress) for a free slot: ``admission.max_queue_len x num_replicas``. Beyond it the
             caller gets Ray's back-pressure error, answered as 503 ``queue_full``; without it
             such requests would wait unbounded and unseen.
-        max_running_estimate: the first term of ``max_ongoing_requests``.
+        max_running_estimate: requests a replica runs at once: ``admission.semaphore_permits``
+            under the semaphore policy, else ``max(1, budget_bytes // request_bytes)``.
         how: one line saying where the estimate came from.
+        budget_bytes: the replica budget the estimate assumed, bytes (``None``: unknown here).
+        request_bytes: the price of one P95 request (:func:`p95_request_shape`), bytes
+            (``None``: unknown here).
+        min_num_gpus: the smallest multiple of 0.05 of one card whose budget holds
+            ``max_running_estimate`` P95 requests (see :func:`gpu_share_for`); ``0.0`` for a
+            CPU device; ``None`` where the card's size is unknown (always when planning at
+            build time). May exceed 1.0: then no single card holds them.
     """
 
     num_gpus: float
@@ -46,30 +70,151 @@ class DeploymentPlan:
     max_queued_requests: int
     max_running_estimate: int
     how: str
+    budget_bytes: int | None = None
+    request_bytes: int | None = None
+    min_num_gpus: float | None = None
 
 
 def plan_deployment(args: AppArgs) -> DeploymentPlan:
     """Derive the model deployment's options from ``args``.
 
-    ``max_running = budget_estimate // bytes(one input of limits.max_input_tokens)``, where the
-    budget estimate is ``(capacity - weights - reserve) * safety`` with the capacity from
-    ``memory.capacity_bytes`` (or, for a CPU replica, ``memory.host_fraction`` of the RAM
-    available here) and the weights from the model config. ``deployment.max_ongoing_requests``
-    overrides the result.
+    With a readable profile at ``memory.profile_path`` (made for this task and model on this
+    kind of device), the plan is :func:`plan_from_profile`'s. Otherwise it is the analytic
+    estimate: ``budget = (capacity - weights - reserve) * safety`` (or
+    ``memory.budget_bytes``), with
+    the capacity from ``memory.capacity_bytes`` (or, for a CPU replica,
+    ``memory.host_fraction`` of the RAM available here) and the weights from the model's
+    ``config.json``; the price is the analytic bytes of one P95 request. Under the semaphore
+    policy the replica runs ``admission.semaphore_permits`` requests whatever the memory.
+    ``deployment.max_ongoing_requests`` overrides the result.
+
+    Raises:
+        InsufficientMemoryError: the profile leaves no budget (or less than
+            ``memory.budget_bytes``) on its device; the message says what to change.
     """
+    plan = _profile_plan(args) or _analytic_plan(args)
+    if args.deployment.max_ongoing_requests is not None:
+        plan = replace(plan, max_ongoing_requests=args.deployment.max_ongoing_requests,
+                       how="deployment.max_ongoing_requests")
+    return plan
+
+
+def plan_from_profile(args: AppArgs, profile: MemoryProfile, *, card_bytes: int | None = None,
+                      min_budget_bytes: int = 0,
+                      source: str = "measured profile") -> DeploymentPlan:
+    """The options a measured ``profile`` yields under ``args``: the one computation shared
+    by build-time planning and the ``profile`` command's recommendation.
+
+    ``budget_bytes`` is :func:`~serve_app.memory.budget.derive_budget_bytes` of the capacity
+    (``memory.capacity_bytes``, else the profile's), the profile's held bytes,
+    ``memory.reserve_bytes``, ``memory.safety_factor`` and ``memory.budget_bytes``;
+    ``request_bytes`` is the profile's fitted cost model at :func:`p95_request_shape`;
+    ``max_running = max(1, budget // request)`` (permits under the semaphore policy).
+    ``deployment.max_ongoing_requests`` is *not* applied here (the plan is what the
+    measurement yields); :func:`plan_deployment` applies it.
+
+    Args:
+        args: the validated config.
+        profile: what a replica (or the ``profile`` command) measured.
+        card_bytes: total bytes of the GPU the profile was measured on, to compute
+            ``min_num_gpus``; ``None`` leaves it unknown (``0.0`` anyway for a CPU profile).
+        min_budget_bytes: the budget must also hold this (the largest request the limits
+            allow, under the budget policy); it raises the recommended GPU share, and
+            :func:`~serve_app.memory.budget.derive_budget_bytes` refuses a smaller budget.
+        source: the start of ``how``, e.g. ``measured profile profiles/vramgate.json``.
+
+    Raises:
+        InsufficientMemoryError: the budget would be <= 0, below ``min_budget_bytes``, or
+            ``memory.budget_bytes`` exceeds what the device has left.
+    """
+    mem = args.memory
+    budget = derive_budget_bytes(mem.capacity_bytes or profile.capacity_bytes,
+                                 profile.held_bytes, mem.reserve_bytes, mem.safety_factor,
+                                 min_request_bytes=min_budget_bytes,
+                                 override_bytes=mem.budget_bytes)
+    price = profile.cost_model.request_bytes(*p95_request_shape(args))
+    plan = _plan(args, max_running_requests(budget, price), source, budget, price)
+    if profile.device == "cpu":
+        share = 0.0
+    elif card_bytes is None:
+        share = None
+    else:
+        needed = max(plan.max_running_estimate * price, min_budget_bytes)
+        share = gpu_share_for(needed, profile.held_bytes, args, card_bytes)
+    return replace(plan, min_num_gpus=share)
+
+
+def max_running_requests(budget_bytes: int, request_bytes: int) -> int:
+    """Requests of ``request_bytes`` that fit in ``budget_bytes`` at once:
+    ``max(1, budget // request)`` (a zero price counts as one byte)."""
+    return max(1, budget_bytes // max(1, request_bytes))
+
+
+def p95_request_shape(args: AppArgs) -> tuple[int, int]:
+    """``(inputs, tokens per input)`` of a P95-sized request: ``deployment.p95_inputs`` x
+    ``deployment.p95_input_tokens``, each capped by its ``limits.*`` (no request is larger)."""
+    return (min(args.deployment.p95_inputs, args.limits.max_inputs),
+            min(args.deployment.p95_input_tokens, args.limits.max_input_tokens))
+
+
+def gpu_share_for(budget_bytes: int, held_bytes: int, args: AppArgs, card_bytes: int) -> float:
+    """The smallest multiple of ``1 / GPU_SHARE_STEPS_PER_CARD`` of a card of ``card_bytes``
+    whose derived budget holds ``budget_bytes``.
+
+    Inverts ``budget = (share x card - held - reserve) x safety``: the share must cover
+    ``held + reserve + ceil(budget / safety)`` bytes; with ``memory.budget_bytes`` set, the
+    budget is that figure and the share must cover ``held + reserve + memory.budget_bytes``.
+    The result may exceed 1.0 (no single card is enough).
+    """
+    mem = args.memory
+    if mem.budget_bytes is not None:
+        available = max(budget_bytes, mem.budget_bytes)
+    else:
+        available = math.ceil(budget_bytes / mem.safety_factor)
+    needed = held_bytes + mem.reserve_bytes + available
+    steps = -(-needed * GPU_SHARE_STEPS_PER_CARD // card_bytes)  # ceiling division
+    return max(1, steps) / GPU_SHARE_STEPS_PER_CARD
+
+
+def _plan(args: AppArgs, running_by_memory: int, how: str, budget_bytes: int | None = None,
+          request_bytes: int | None = None) -> DeploymentPlan:
     queue = args.admission.max_queue_len
+    running = running_by_memory
     if args.admission.policy == "semaphore":
         running, how = args.admission.semaphore_permits, "admission.semaphore_permits"
-    else:
-        running, how = _estimate_max_running(args)
-    derived = min(MAX_ONGOING_REQUESTS_CAP, running + queue)
-    if args.deployment.max_ongoing_requests is not None:
-        derived, how = args.deployment.max_ongoing_requests, "deployment.max_ongoing_requests"
-    return DeploymentPlan(args.deployment.num_gpus, max(1, derived),
-                          max(1, queue * args.deployment.num_replicas), running, how)
+    return DeploymentPlan(
+        num_gpus=args.deployment.num_gpus,
+        max_ongoing_requests=max(1, min(MAX_ONGOING_REQUESTS_CAP, running + queue)),
+        max_queued_requests=max(1, queue * args.deployment.num_replicas),
+        max_running_estimate=running, how=how, budget_bytes=budget_bytes,
+        request_bytes=request_bytes)
 
 
-def _estimate_max_running(args: AppArgs) -> tuple[int, str]:
+def _profile_plan(args: AppArgs) -> DeploymentPlan | None:
+    """:func:`plan_from_profile` of ``memory.profile_path``, or ``None`` when it is unset,
+    unreadable, or made for another task, model or kind of device (``cpu`` / ``cuda``); the
+    replica will profile again then."""
+    if not args.memory.profile_path:
+        return None
+    path = Path(args.memory.profile_path).expanduser()
+    try:
+        profile = MemoryProfile.load(path)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        logger.warning("cannot read the profile %s (%s); planning from the analytic estimate",
+                       path, exc)
+        return None
+    model_path = str(args.model.resolved_path())
+    kind = "cpu" if args.deployment.num_gpus == 0 or args.model.device == "cpu" else "cuda"
+    measured_kind = "cpu" if profile.device == "cpu" else "cuda"
+    if (profile.task, profile.model_path, measured_kind) != (args.model.task, model_path, kind):
+        logger.warning("profile %s was measured for %s %s on %s, not %s %s on %s; planning "
+                       "from the analytic estimate", path, profile.task, profile.model_path,
+                       profile.device, args.model.task, model_path, kind)
+        return None
+    return plan_from_profile(args, profile, source=f"measured profile {path}")
+
+
+def _analytic_plan(args: AppArgs) -> DeploymentPlan:
     if args.memory.budget_bytes is not None:
         budget, source = args.memory.budget_bytes, "memory.budget_bytes"
     elif args.memory.capacity_bytes is not None:
@@ -79,17 +224,19 @@ def _estimate_max_running(args: AppArgs) -> tuple[int, str]:
         capacity = int(psutil.virtual_memory().available * args.memory.host_fraction)
         budget, source = None, "memory.host_fraction x available RAM"
     else:
-        return FALLBACK_MAX_RUNNING, "fallback (GPU size unknown where the app is built)"
+        return _plan(args, FALLBACK_MAX_RUNNING,
+                     "fallback (GPU size unknown where the app is built)")
     try:
         cost_model = _cost_model(args)
     except (OSError, KeyError, ValueError) as exc:
         logger.warning("cannot read the model config to plan the deployment: %s", exc)
-        return FALLBACK_MAX_RUNNING, "fallback (model config unreadable)"
+        return _plan(args, FALLBACK_MAX_RUNNING, "fallback (model config unreadable)")
     if budget is None:
         budget = int((capacity - cost_model.weights_bytes() - args.memory.reserve_bytes)
                      * args.memory.safety_factor)
-    one_request = cost_model.request_bytes(1, args.limits.max_input_tokens)
-    return max(1, budget // one_request), f"analytic estimate from {source}"
+    price = cost_model.request_bytes(*p95_request_shape(args))
+    return _plan(args, max_running_requests(budget, price), f"analytic estimate from {source}",
+                 budget, price)
 
 
 def _cost_model(args: AppArgs) -> AnalyticCostModel:

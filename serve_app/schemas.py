@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
 
 
 class EmbeddingRequest(BaseModel):
@@ -38,19 +38,80 @@ class EmbeddingRequest(BaseModel):
 
 
 @dataclass(frozen=True)
+class Admitted:
+    """How a request was admitted: queue wait (s) and waiters ahead (0: at once)."""
+
+    queue_wait_s: float
+    queue_position: int
+
+    def headers(self) -> dict[str, str]:
+        """``X-Queue-Wait-Ms`` and ``X-Queue-Position`` (CONTRACT.md)."""
+        return {"X-Queue-Wait-Ms": str(round(self.queue_wait_s * 1000)),
+                "X-Queue-Position": str(self.queue_position)}
+
+
+@dataclass(frozen=True)
 class EmbeddingResult:
     """What a model replica returns for one embeddings request.
 
     Attributes:
         embeddings: float32, shape ``(n_inputs, dimensions)``, rows of unit L2 norm.
         prompt_tokens: tokens over all inputs, special tokens included.
-        queue_wait_s: seconds the request waited for admission.
-        queue_position: waiters ahead of it when queued (0: admitted at once).
+        admitted: queue wait and position.
         replica_id: the replica that served it.
     """
 
     embeddings: np.ndarray
     prompt_tokens: int
-    queue_wait_s: float
-    queue_position: int
+    admitted: Admitted
     replica_id: str
+
+
+class CompletionRequest(BaseModel):
+    """``POST /v1/completions`` body (OpenAI-compatible subset; unknown fields are refused).
+
+    ``max_tokens`` is further bounded by ``limits.max_tokens`` at the ingress.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: StrictStr = Field(min_length=1)
+    model: StrictStr | None = None
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    seed: int | None = None
+    stop: StrictStr | list[StrictStr] | None = Field(None)
+    stream: StrictBool = False
+    n: int = Field(1, ge=1, le=1, description="Only one choice per request is supported.")
+    user: StrictStr | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return value
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+@dataclass(frozen=True)
+class CompletionResult:
+    """A finished completion from a model replica.
+
+    Attributes:
+        text: the completion (stop strings excluded).
+        finish_reason: ``stop`` or ``length``.
+        prompt_tokens, completion_tokens: token counts.
+        admitted: queue wait and position.
+    """
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    admitted: Admitted

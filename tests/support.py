@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 import time
 from collections.abc import Callable
 from typing import Any
@@ -77,3 +78,37 @@ def assert_idle_invariants(replicas: list[dict[str, Any]]) -> None:
 
 def cosine(a: list[float], b: list[float]) -> float:
     return sum(x * y for x, y in zip(a, b, strict=True))
+
+
+TINY_LM_CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "a memory budget admits requests by measured bytes of device memory",
+    "ray serve routes requests to replicas that hold a share of a gpu",
+    "generation keeps a key value cache that grows with every new token",
+] * 20
+
+
+def build_tiny_causal_lm(path: Path, num_layers: int = 2, max_positions: int = 512) -> Path:
+    """Save a small random-weight Llama (grouped-query attention) and a word-piece BPE tokenizer
+    trained on a few sentences to ``path``: a real causal LM directory, loaded by the same code
+    as any Hugging Face model, built offline in about a second. (Not byte-level BPE: a random
+    model would emit invalid UTF-8, which makes text assertions meaningless.)"""
+    import torch
+    from tokenizers import CharBPETokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path.mkdir(parents=True, exist_ok=True)
+    bpe = CharBPETokenizer()
+    bpe.train_from_iterator(TINY_LM_CORPUS, vocab_size=300, min_frequency=1,
+                            special_tokens=["<|endoftext|>", "<unk>"])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>",
+                                        pad_token="<|endoftext|>", unk_token="<unk>")
+    tokenizer.save_pretrained(str(path))
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=num_layers, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=max_positions,
+                         eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(str(path))
+    return path

@@ -56,6 +56,8 @@ class EmbeddingEngine:
     dtype: str = "float32"
     num_threads: int | None = None
 
+    task = "embed"
+
     def __post_init__(self) -> None:
         if self.device == "cpu" and self.num_threads:
             torch.set_num_threads(self.num_threads)

@@ -20,11 +20,14 @@ def derive_budget_bytes(capacity_bytes: int, held_bytes: int, reserve_bytes: int
         safety_factor: fraction of the rest the budget may use, in (0, 1].
         min_request_bytes: the largest single request the config allows; the budget must hold it.
         override_bytes: ``memory.budget_bytes``: use this instead of the derived figure, provided
-            it fits in ``capacity - held - reserve``.
+            it fits in ``capacity - held - reserve``. An explicit budget may be smaller than
+            the largest allowed request (the operator's choice): such requests are then
+            refused with 400 ``request_too_large`` instead of the replica refusing to start.
 
     Raises:
-        InsufficientMemoryError: the budget would be <= 0, smaller than ``min_request_bytes``,
-            or an override larger than the device has left; the message names what to change.
+        InsufficientMemoryError: the derived budget would be <= 0 or smaller than
+            ``min_request_bytes``, or an override is larger than the device has left; the
+            message names what to change.
     """
     available = capacity_bytes - held_bytes - reserve_bytes
     formula = (f"(capacity {capacity_bytes} - held {held_bytes} - reserve {reserve_bytes})")
@@ -34,9 +37,8 @@ def derive_budget_bytes(capacity_bytes: int, held_bytes: int, reserve_bytes: int
                 f"memory.budget_bytes={override_bytes} exceeds what the device has left, "
                 f"{formula} = {available} bytes. Lower memory.budget_bytes or raise "
                 "memory.capacity_bytes (or num_gpus).")
-        budget = override_bytes
-    else:
-        budget = int(available * safety_factor)
+        return override_bytes
+    budget = int(available * safety_factor)
     if budget <= 0 or budget < min_request_bytes:
         raise InsufficientMemoryError(
             f"budget of {budget} bytes = {formula} x safety {safety_factor} cannot hold the "

@@ -10,7 +10,10 @@ import pytest
 PURE_MODULES = [
     "serve_app.admission.budget", "serve_app.admission.drain", "serve_app.admission.queue",
     "serve_app.admission.controller", "serve_app.errors", "serve_app.config",
-    "serve_app.memory.cost_model", "serve_app.memory.budget",
+    "serve_app.memory.cost_model", "serve_app.memory.budget", "serve_app.memory.profiler",
+    "serve_app.planning",
+    # the CLI imports the model code only once its arguments are valid
+    "serve_app.__main__",
 ]
 FORBIDDEN = ("ray", "torch", "fastapi")
 
