@@ -23,6 +23,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from deployments.engines.base import GenerationParams
 from serve_app.admission.drain import retry_after_s
 from serve_app.config import parse_args
 from serve_app.errors import (
@@ -33,7 +34,6 @@ from serve_app.errors import (
     ServeAppError,
 )
 from serve_app.http_errors import as_serve_app_error, error_response, install_error_handlers
-from deployments.engines.base import GenerationParams
 from serve_app.schemas import (
     CompletionRequest,
     CompletionResult,

@@ -20,12 +20,12 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments.engines.base import GenerationParams
 from deployments.profiling import measure_replica
 from deployments.registry import PUBLISH_PERIOD_S
 from serve_app.admission.controller import Admission, AdmissionController
 from serve_app.admission.policy import AdmissionPolicy
 from serve_app.config import parse_args
-from deployments.engines.base import GenerationParams
 from serve_app.errors import InferenceTimeoutError, InvalidRequestError, ModelNotFoundError
 from serve_app.schemas import Admitted, CompletionResult, EmbeddingResult
 

@@ -6,18 +6,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+
+import torch
 
 from deployments.engines.base import Engine
-from deployments.engines.embeddings import EmbeddingEngine, resolve_device, resolve_dtype
+from deployments.engines.embeddings import EmbeddingEngine
 from deployments.engines.fake import FakeEngine
 from deployments.engines.generation import GenerationEngine
+from deployments.engines.hf import resolve_device, resolve_dtype
 from serve_app.config import AppArgs
-from serve_app.memory.budget import derive_budget_bytes
+from serve_app.memory.budget import InsufficientMemoryError, derive_budget_bytes
 from serve_app.memory.cost_model import AnalyticCostModel, CostModel
 from serve_app.memory.probes import CudaMemoryProbe, DeviceProbe, HostMemoryProbe
+from serve_app.memory.profiler import MemoryProfile, load_profile, profile_memory
 from serve_app.memory.simulated import SimulatedDevice, SimulatedDeviceProbe
-from serve_app.memory.profiler import MemoryProfile, profile_memory
 
 logger = logging.getLogger("ray.serve")
 
@@ -81,13 +83,22 @@ def measure_replica(args: AppArgs, on_progress: Callable[[str], None] = logger.i
     probe, engine, held_bytes = _load(args)
     path = "fake" if args.model.task == "fake" else args.model.resolved_path()
     largest = largest_request(args, engine)
-    profile = _reusable_profile(args, probe, str(path), held_bytes)
+    profile = _reusable_profile(args, probe, engine, str(path), held_bytes)
     reused = profile is not None
     if profile is None:
-        profile = profile_memory(
-            engine.profile_run, probe, AnalyticCostModel(engine.shape), task=args.model.task,
-            model_path=str(path), held_bytes=held_bytes, max_batch=largest[0],
-            max_prompt_tokens=largest[1], max_new_tokens=largest[2], on_progress=on_progress)
+        try:
+            profile = profile_memory(
+                engine.profile_run, probe, AnalyticCostModel(engine.shape),
+                task=args.model.task, model_path=str(path), held_bytes=held_bytes,
+                max_batch=largest[0], max_prompt_tokens=largest[1],
+                max_new_tokens=largest[2], on_progress=on_progress)
+        except torch.OutOfMemoryError as exc:
+            raise InsufficientMemoryError(
+                f"profiling ran out of device memory (largest allowed request: "
+                f"{largest[0]} x ({largest[1]} + {largest[2]}) tokens; capacity "
+                f"{probe.capacity_bytes()} bytes, model holds {held_bytes}): {exc}. Lower "
+                "limits.max_inputs / limits.max_input_tokens / limits.max_tokens, or give the "
+                "replica more memory (num_gpus, memory.capacity_bytes).") from None
         on_progress("memory profile:\n" + profile.table())
     max_request_bytes = profile.cost_model.request_bytes(*largest)
     budget_bytes = derive_budget_bytes(
@@ -139,17 +150,21 @@ def largest_request(args: AppArgs, engine: Engine) -> tuple[int, int, int]:
     return args.limits.max_inputs, max_prompt, 0
 
 
-def _reusable_profile(args: AppArgs, probe: DeviceProbe, model_path: str,
+def _reusable_profile(args: AppArgs, probe: DeviceProbe, engine: Engine, model_path: str,
                       held_bytes: int) -> MemoryProfile | None:
     if not args.memory.profile_path:
         return None
-    path = Path(args.memory.profile_path).expanduser()
-    try:
-        saved = MemoryProfile.load(path)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        logger.warning("cannot use the profile %s (%s); profiling again", path, exc)
+    path = args.memory.profile_path
+    saved = load_profile(path)
+    if saved is None:
         return None
     problems = []
+    largest = largest_request(args, engine)
+    measured_up_to = tuple(max(getattr(p, f) for p in saved.points)
+                           for f in ("batch", "prompt_tokens", "new_tokens"))
+    if any(want > have for want, have in zip(largest, measured_up_to, strict=True)):
+        problems.append(f"it was measured up to {measured_up_to} (batch, prompt, new tokens), "
+                        f"the limits now allow {largest}")
     if (saved.device, saved.task, saved.model_path) != (probe.device, args.model.task,
                                                         model_path):
         problems.append(f"measured on {saved.device} for {saved.task} {saved.model_path}, "

@@ -9,7 +9,8 @@ fitted cost model and the deployment options the measurement recommends
 
 Exit status: 0 done; 1 the model could not be loaded (the message says why); 2 bad command
 line, config file or ``args:`` (the message names the key); 3 the device cannot hold the
-budget the config asks for (:class:`~serve_app.memory.budget.InsufficientMemoryError`).
+budget the config asks for (:class:`~serve_app.memory.budget.InsufficientMemoryError`), or ran
+out of memory while profiling the largest request the limits allow.
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ import yaml
 
 from serve_app.config import AppArgs, ConfigError, parse_args
 from serve_app.memory.budget import InsufficientMemoryError
-from serve_app.planning import DeploymentPlan, p95_request_shape, plan_from_profile
+from serve_app.planning import (
+    MAX_ONGOING_REQUESTS_CAP,
+    DeploymentPlan,
+    p95_request_shapes,
+    plan_from_profile,
+)
 
 if TYPE_CHECKING:
     from deployments.profiling import MeasuredReplica
@@ -80,19 +86,29 @@ def profile_command(options: argparse.Namespace) -> int:
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    progress(f"loading {args.model.name} ({args.model.resolved_path()}) for application "
-             f"{name!r} of {options.config}")
-    from deployments.profiling import measure_replica  # torch + transformers: import late
+    what = ("the fake engine on its simulated device" if args.model.task == "fake"
+            else f"{args.model.name} ({args.model.resolved_path()})")
+    progress(f"loading {what} for application {name!r} of {options.config}")
+    # torch + transformers: imported only once the arguments are known to be valid
+    from deployments.profiling import largest_request, measure_replica
 
-    measured = measure_replica(args, on_progress=progress)
-    card_bytes = getattr(measured.probe, "total_bytes", None)
+    measured = measure_replica(args, on_progress=progress)  # an OOM leaves as InsufficientMemory
     plan = plan_from_profile(
-        args, measured.profile, card_bytes=card_bytes,
+        args, measured.profile, card_bytes=_card_bytes(args, measured),
         min_budget_bytes=measured.max_request_bytes if args.admission.policy == "budget" else 0,
         source="this measurement")
     measured.profile.save(out)
-    print(report(name, options.config, args, measured, plan, out))
+    largest = largest_request(args, measured.engine)
+    print(report(name, options.config, args, measured, plan, largest, out))
     return EXIT_OK
+
+
+def _card_bytes(args: AppArgs, measured: MeasuredReplica) -> int | None:
+    """The whole card's bytes, for the recommended GPU share: the CUDA card's total, or the
+    simulated card's size; ``None`` on CPU."""
+    if args.model.task == "fake":
+        return args.fake.device_capacity_bytes
+    return getattr(measured.probe, "total_bytes", None)
 
 
 def profiling_args(args: AppArgs) -> AppArgs:
@@ -139,11 +155,11 @@ def read_application(config_path: Path, app_name: str | None) -> tuple[str, dict
 
 
 def report(name: str, config_path: Path, args: AppArgs, measured: MeasuredReplica,
-           plan: DeploymentPlan, out: Path) -> str:
-    """The text printed to stdout after a measurement."""
+           plan: DeploymentPlan, largest: tuple[int, int, int], out: Path) -> str:
+    """The text printed to stdout after a measurement (``largest``: the shape of the largest
+    request the limits allow)."""
     profile, mem = measured.profile, args.memory
-    p95_inputs, p95_tokens = p95_request_shape(args)
-    max_tokens = max(p.prompt_tokens for p in profile.points)
+    p95 = " or ".join(_shape(s) for s in p95_request_shapes(args))
     lines = [
         f"vramgate profile of application {name!r} in {config_path}",
         f"device:   {profile.device}",
@@ -154,9 +170,8 @@ def report(name: str, config_path: Path, args: AppArgs, measured: MeasuredReplic
         f"budget:   {_bytes(measured.budget_bytes)}   " + (
             "(memory.budget_bytes)" if mem.budget_bytes is not None
             else f"((capacity - held - reserve) x safety_factor {mem.safety_factor:g})"),
-        f"largest request ({args.limits.max_inputs} x {max_tokens} tokens): "
-        f"{_bytes(measured.max_request_bytes)}",
-        f"P95 request ({p95_inputs} x {p95_tokens} tokens): {_bytes(plan.request_bytes)}",
+        f"largest request ({_shape(largest)}): {_bytes(measured.max_request_bytes)}",
+        f"P95 request ({p95}): {_bytes(plan.request_bytes)}",
         f"profiled in {profile.duration_s:.1f} s",
         "",
         "measurements (MiB):",
@@ -204,10 +219,12 @@ def _recommendation_lines(args: AppArgs, plan: DeploymentPlan) -> list[str]:
                 f"{plan.max_running_estimate} P95 requests")
         if plan.min_num_gpus > 1:
             gpus += " (more than one card: lower the concurrency or the P95 request)"
+    capped = (f", capped at {MAX_ONGOING_REQUESTS_CAP}"
+              if plan.max_ongoing_requests < plan.max_running_estimate + queue else "")
     lines = [
         f"recommended deployment options (admission.policy {args.admission.policy}):",
         f"  max_ongoing_requests: {plan.max_ongoing_requests}   # {running} + {queue} queued "
-        "(admission.max_queue_len)",
+        f"(admission.max_queue_len){capped}",
         f"  budget_bytes: {plan.budget_bytes}   # {plan.budget_bytes / 2**20:.1f} MiB",
         f"  num_gpus: {gpus}",
     ]
@@ -215,6 +232,11 @@ def _recommendation_lines(args: AppArgs, plan: DeploymentPlan) -> list[str]:
     if override is not None and override != plan.max_ongoing_requests:
         lines.append(f"  (the config sets deployment.max_ongoing_requests: {override})")
     return lines
+
+
+def _shape(shape: tuple[int, int, int]) -> str:
+    batch, prompt, new = shape
+    return f"{batch} x {prompt} tokens" + (f" + {new} new" if new else "")
 
 
 def _bytes(n: int | None) -> str:

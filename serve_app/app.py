@@ -15,6 +15,8 @@ from serve_app.planning import plan_deployment
 
 logger = logging.getLogger(__name__)
 
+MODEL_CONSTRUCTOR_RETRIES = 3
+
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """Build the vramgate application from a config's ``args:``.
@@ -40,6 +42,9 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         ray_actor_options={"num_gpus": plan.num_gpus, "num_cpus": dep.num_cpus},
         health_check_period_s=dep.health_check_period_s,
         health_check_timeout_s=dep.health_check_timeout_s,
+        # A replica that cannot hold the largest allowed request fails the same way every
+        # time: give up after a few tries instead of Ray's default 20 restarts.
+        max_constructor_retry_count=MODEL_CONSTRUCTOR_RETRIES,
     ).bind(raw, registry)
     return Ingress.options(
         num_replicas=dep.ingress_replicas,

@@ -74,9 +74,11 @@ class AdmissionConfig(_Section):
     max_queue_len: int = Field(
         64, ge=0, description="Requests that may wait per replica before 503 `queue_full`.")
     max_queue_wait_s: float = Field(
-        10.0, gt=0, allow_inf_nan=False, description="Longest wait for admission before 503 `queue_timeout`.")
+        10.0, gt=0, allow_inf_nan=False,
+        description="Longest wait for admission before 503 `queue_timeout`.")
     inference_timeout_s: float = Field(
-        30.0, gt=0, allow_inf_nan=False, description="Longest inference before 504 `inference_timeout`.")
+        30.0, gt=0, allow_inf_nan=False,
+        description="Longest inference before 504 `inference_timeout`.")
 
 
 class LimitsConfig(_Section):

@@ -8,7 +8,8 @@ is ``budget // price of one P95 request``, from, in order of preference:
    profile``): the budget from its measured capacity and held bytes, the price from its
    fitted cost model;
 2. the **analytic estimate**: the weights and the price from the model's ``config.json``
-   through :class:`~serve_app.memory.cost_model.AnalyticCostModel`.
+   through :class:`~serve_app.memory.cost_model.AnalyticCostModel` (for the fake engine: its
+   configured, exact costs).
 
 Either way each replica still measures its own device at start-up and is the authority on
 admission; these figures only size Ray Serve's per-replica cap.
@@ -20,14 +21,19 @@ import json
 import logging
 import math
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import psutil
 
 from serve_app.config import AppArgs
 from serve_app.memory.budget import derive_budget_bytes
-from serve_app.memory.cost_model import DTYPE_BYTES, AnalyticCostModel, TransformerShape
-from serve_app.memory.profiler import MemoryProfile
+from serve_app.memory.cost_model import (
+    DTYPE_BYTES,
+    AnalyticCostModel,
+    CostModel,
+    FittedCostModel,
+    TransformerShape,
+)
+from serve_app.memory.profiler import MemoryProfile, load_profile
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +63,7 @@ class DeploymentPlan:
             under the semaphore policy, else ``max(1, budget_bytes // request_bytes)``.
         how: one line saying where the estimate came from.
         budget_bytes: the replica budget the estimate assumed, bytes (``None``: unknown here).
-        request_bytes: the price of one P95 request (:func:`p95_request_shape`), bytes
+        request_bytes: the price of one P95 request (:func:`p95_request_shapes`), bytes
             (``None``: unknown here).
         min_num_gpus: the smallest multiple of 0.05 of one card whose budget holds
             ``max_running_estimate`` P95 requests (see :func:`gpu_share_for`); ``0.0`` for a
@@ -81,11 +87,15 @@ def plan_deployment(args: AppArgs) -> DeploymentPlan:
     With a readable profile at ``memory.profile_path`` (made for this task and model on this
     kind of device), the plan is :func:`plan_from_profile`'s. Otherwise it is the analytic
     estimate: ``budget = (capacity - weights - reserve) * safety`` (or
-    ``memory.budget_bytes``), with
-    the capacity from ``memory.capacity_bytes`` (or, for a CPU replica,
-    ``memory.host_fraction`` of the RAM available here) and the weights from the model's
-    ``config.json``; the price is the analytic bytes of one P95 request. Under the semaphore
-    policy the replica runs ``admission.semaphore_permits`` requests whatever the memory.
+    ``memory.budget_bytes``) and ``max_running = max(1, budget // price)``, with the capacity
+    from ``memory.capacity_bytes`` (or, for a CPU replica, ``memory.host_fraction`` of the RAM
+    available here), the weights' bytes and the price of one P95 request
+    (:func:`p95_request_bytes`) from the model's ``config.json`` through
+    :class:`~serve_app.memory.cost_model.AnalyticCostModel`. For ``model.task: fake`` the
+    capacity is its share of ``fake.device_capacity_bytes`` and weights and price are the
+    configured ``fake.*`` costs, which are exact. A GPU replica whose size is unknown here
+    gets ``FALLBACK_MAX_RUNNING``. Under the semaphore policy the replica runs
+    ``admission.semaphore_permits`` requests whatever the memory.
     ``deployment.max_ongoing_requests`` overrides the result.
 
     Raises:
@@ -108,7 +118,7 @@ def plan_from_profile(args: AppArgs, profile: MemoryProfile, *, card_bytes: int 
     ``budget_bytes`` is :func:`~serve_app.memory.budget.derive_budget_bytes` of the capacity
     (``memory.capacity_bytes``, else the profile's), the profile's held bytes,
     ``memory.reserve_bytes``, ``memory.safety_factor`` and ``memory.budget_bytes``;
-    ``request_bytes`` is the profile's fitted cost model at :func:`p95_request_shape`;
+    ``request_bytes`` is the profile's fitted cost model at :func:`p95_request_shapes`;
     ``max_running = max(1, budget // request)`` (permits under the semaphore policy).
     ``deployment.max_ongoing_requests`` is *not* applied here (the plan is what the
     measurement yields); :func:`plan_deployment` applies it.
@@ -124,15 +134,15 @@ def plan_from_profile(args: AppArgs, profile: MemoryProfile, *, card_bytes: int 
         source: the start of ``how``, e.g. ``measured profile profiles/vramgate.json``.
 
     Raises:
-        InsufficientMemoryError: the budget would be <= 0, below ``min_budget_bytes``, or
-            ``memory.budget_bytes`` exceeds what the device has left.
+        InsufficientMemoryError: the derived budget would be <= 0 or below
+            ``min_budget_bytes``, or ``memory.budget_bytes`` exceeds what the device has left.
     """
     mem = args.memory
     budget = derive_budget_bytes(mem.capacity_bytes or profile.capacity_bytes,
                                  profile.held_bytes, mem.reserve_bytes, mem.safety_factor,
                                  min_request_bytes=min_budget_bytes,
                                  override_bytes=mem.budget_bytes)
-    price = profile.cost_model.request_bytes(*p95_request_shape(args))
+    price = p95_request_bytes(args, profile.cost_model)
     plan = _plan(args, max_running_requests(budget, price), source, budget, price)
     if profile.device == "cpu":
         share = 0.0
@@ -150,11 +160,28 @@ def max_running_requests(budget_bytes: int, request_bytes: int) -> int:
     return max(1, budget_bytes // max(1, request_bytes))
 
 
-def p95_request_shape(args: AppArgs) -> tuple[int, int]:
-    """``(inputs, tokens per input)`` of a P95-sized request: ``deployment.p95_inputs`` x
-    ``deployment.p95_input_tokens``, each capped by its ``limits.*`` (no request is larger)."""
-    return (min(args.deployment.p95_inputs, args.limits.max_inputs),
-            min(args.deployment.p95_input_tokens, args.limits.max_input_tokens))
+def p95_request_shapes(args: AppArgs) -> list[tuple[int, int, int]]:
+    """``(batch, prompt_tokens, new_tokens)`` of a P95-sized request of each route the task
+    serves, with ``tokens = min(deployment.p95_input_tokens, limits.max_input_tokens)``:
+
+    - embeddings: ``min(deployment.p95_inputs, limits.max_inputs)`` inputs of ``tokens``;
+    - completions: one prompt of ``tokens`` asking for ``limits.max_tokens`` new tokens (a
+      completion is charged for the ``max_tokens`` it asks for, and no knob says what your
+      traffic asks; this is the most it may ask).
+
+    ``embed`` -> ``[embeddings]``, ``generate`` -> ``[completions]``, ``fake`` -> both.
+    """
+    tokens = min(args.deployment.p95_input_tokens, args.limits.max_input_tokens)
+    embed = (min(args.deployment.p95_inputs, args.limits.max_inputs), tokens, 0)
+    complete = (1, tokens, args.limits.max_tokens)
+    return {"embed": [embed], "generate": [complete], "fake": [embed, complete]}[
+        args.model.task]
+
+
+def p95_request_bytes(args: AppArgs, cost_model: CostModel) -> int:
+    """The price of a P95 request: the largest ``cost_model`` price over
+    :func:`p95_request_shapes`, bytes."""
+    return max(cost_model.request_bytes(*shape) for shape in p95_request_shapes(args))
 
 
 def gpu_share_for(budget_bytes: int, held_bytes: int, args: AppArgs, card_bytes: int) -> float:
@@ -196,45 +223,66 @@ def _profile_plan(args: AppArgs) -> DeploymentPlan | None:
     replica will profile again then."""
     if not args.memory.profile_path:
         return None
-    path = Path(args.memory.profile_path).expanduser()
-    try:
-        profile = MemoryProfile.load(path)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        logger.warning("cannot read the profile %s (%s); planning from the analytic estimate",
-                       path, exc)
+    path = args.memory.profile_path
+    profile = load_profile(path)
+    if profile is None:
         return None
-    model_path = str(args.model.resolved_path())
-    kind = "cpu" if args.deployment.num_gpus == 0 or args.model.device == "cpu" else "cuda"
-    measured_kind = "cpu" if profile.device == "cpu" else "cuda"
-    if (profile.task, profile.model_path, measured_kind) != (args.model.task, model_path, kind):
-        logger.warning("profile %s was measured for %s %s on %s, not %s %s on %s; planning "
-                       "from the analytic estimate", path, profile.task, profile.model_path,
-                       profile.device, args.model.task, model_path, kind)
+    model_path = "fake" if args.model.task == "fake" else str(args.model.resolved_path())
+    wanted = (args.model.task, model_path, _device_kind(args))
+    measured = (profile.task, profile.model_path, _profile_device_kind(profile))
+    if measured != wanted:
+        logger.warning("profile %s was measured for %s %s on a %s device, not %s %s on a %s "
+                       "device; planning from the analytic estimate", path, *measured, *wanted)
         return None
     return plan_from_profile(args, profile, source=f"measured profile {path}")
 
 
+def _device_kind(args: AppArgs) -> str:
+    """``cpu``, ``cuda`` or ``simulated``: the kind of device a replica of ``args`` gets."""
+    if args.model.task == "fake":
+        return "simulated"
+    return "cpu" if args.deployment.num_gpus == 0 or args.model.device == "cpu" else "cuda"
+
+
+def _profile_device_kind(profile: MemoryProfile) -> str:
+    if profile.method.startswith("simulated"):
+        return "simulated"
+    return "cpu" if profile.device == "cpu" else "cuda"
+
+
 def _analytic_plan(args: AppArgs) -> DeploymentPlan:
-    if args.memory.budget_bytes is not None:
-        budget, source = args.memory.budget_bytes, "memory.budget_bytes"
-    elif args.memory.capacity_bytes is not None:
-        budget, source = None, "memory.capacity_bytes"
-        capacity = args.memory.capacity_bytes
-    elif args.deployment.num_gpus == 0:
-        capacity = int(psutil.virtual_memory().available * args.memory.host_fraction)
-        budget, source = None, "memory.host_fraction x available RAM"
+    mem = args.memory
+    if args.model.task == "fake":  # its costs are configured, so the estimate is exact
+        fake = args.fake
+        capacity = mem.capacity_bytes or int(fake.device_capacity_bytes
+                                             * (args.deployment.num_gpus or 1.0))
+        source = ("memory.capacity_bytes" if mem.capacity_bytes
+                  else "fake.device_capacity_bytes x num_gpus")
+        cost_model: CostModel = FittedCostModel(
+            ("const", "batch_tokens"), (float(fake.bytes_per_request), float(fake.bytes_per_token)))
+        weights_bytes = fake.weights_bytes
     else:
-        return _plan(args, FALLBACK_MAX_RUNNING,
-                     "fallback (GPU size unknown where the app is built)")
-    try:
-        cost_model = _cost_model(args)
-    except (OSError, KeyError, ValueError) as exc:
-        logger.warning("cannot read the model config to plan the deployment: %s", exc)
-        return _plan(args, FALLBACK_MAX_RUNNING, "fallback (model config unreadable)")
-    if budget is None:
-        budget = int((capacity - cost_model.weights_bytes() - args.memory.reserve_bytes)
-                     * args.memory.safety_factor)
-    price = cost_model.request_bytes(*p95_request_shape(args))
+        if mem.capacity_bytes is not None:
+            capacity, source = mem.capacity_bytes, "memory.capacity_bytes"
+        elif args.deployment.num_gpus == 0:
+            capacity = int(psutil.virtual_memory().available * mem.host_fraction)
+            source = "memory.host_fraction x available RAM"
+        elif mem.budget_bytes is None:
+            return _plan(args, FALLBACK_MAX_RUNNING,
+                         "fallback (GPU size unknown where the app is built)")
+        else:
+            capacity, source = 0, "memory.budget_bytes"
+        try:
+            cost_model = _cost_model(args)
+        except (OSError, KeyError, ValueError) as exc:
+            logger.warning("cannot read the model config to plan the deployment: %s", exc)
+            return _plan(args, FALLBACK_MAX_RUNNING, "fallback (model config unreadable)")
+        weights_bytes = cost_model.weights_bytes()
+    if mem.budget_bytes is not None:
+        budget, source = mem.budget_bytes, "memory.budget_bytes"
+    else:
+        budget = int((capacity - weights_bytes - mem.reserve_bytes) * mem.safety_factor)
+    price = p95_request_bytes(args, cost_model)
     return _plan(args, max_running_requests(budget, price), f"analytic estimate from {source}",
                  budget, price)
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import socket
-from pathlib import Path
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -88,7 +88,8 @@ TINY_LM_CORPUS = [
 ] * 20
 
 
-def build_tiny_causal_lm(path: Path, num_layers: int = 2, max_positions: int = 512) -> Path:
+def build_tiny_causal_lm(path: Path, num_layers: int = 2, max_positions: int = 512,
+                         hidden_size: int = 64) -> Path:
     """Save a small random-weight Llama (grouped-query attention) and a word-piece BPE tokenizer
     trained on a few sentences to ``path``: a real causal LM directory, loaded by the same code
     as any Hugging Face model, built offline in about a second. (Not byte-level BPE: a random
@@ -104,7 +105,8 @@ def build_tiny_causal_lm(path: Path, num_layers: int = 2, max_positions: int = 5
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>",
                                         pad_token="<|endoftext|>", unk_token="<unk>")
     tokenizer.save_pretrained(str(path))
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size,
+                         intermediate_size=2 * hidden_size,
                          num_hidden_layers=num_layers, num_attention_heads=4,
                          num_key_value_heads=2, max_position_embeddings=max_positions,
                          eos_token_id=tokenizer.eos_token_id,

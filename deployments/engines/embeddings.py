@@ -14,27 +14,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModel, AutoTokenizer
+from transformers import AutoModel
 
+from deployments.engines.hf import load_pretrained
 from serve_app.memory.cost_model import DTYPE_BYTES, TransformerShape
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_device(device: str) -> str:
-    """``auto`` -> ``cuda`` when CUDA is usable in this process, else ``cpu``."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("model.device is 'cuda' but CUDA is not available to this replica")
-    return device
-
-
-def resolve_dtype(dtype: str, device: str) -> str:
-    """``auto`` -> float16 on CUDA, float32 on CPU."""
-    if dtype == "auto":
-        return "float16" if device == "cuda" else "float32"
-    return dtype
 
 
 @dataclass
@@ -59,12 +44,8 @@ class EmbeddingEngine:
     task = "embed"
 
     def __post_init__(self) -> None:
-        if self.device == "cpu" and self.num_threads:
-            torch.set_num_threads(self.num_threads)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
-        self.model = AutoModel.from_pretrained(str(self.path), dtype=getattr(torch, self.dtype))
-        self.model.to(self.device).eval()
-        config = json.loads((self.path / "config.json").read_text())
+        self.tokenizer, self.model, config = load_pretrained(
+            AutoModel, self.path, self.device, self.dtype, self.num_threads)
         self.shape = TransformerShape.from_hf_config(config, DTYPE_BYTES[self.dtype])
         self.max_seq_tokens = _max_seq_tokens(self.path, self.shape.max_positions)
         self.dimensions = self.shape.hidden_size

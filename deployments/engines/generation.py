@@ -7,7 +7,6 @@ logic), so the replica can stream it and can stop generation when the client goe
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections.abc import Callable
@@ -15,9 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, TextStreamer
+from transformers import AutoModelForCausalLM, StoppingCriteria, TextStreamer
 
 from deployments.engines.base import GenerationOutput, GenerationParams
+from deployments.engines.hf import load_pretrained
 from serve_app.memory.cost_model import DTYPE_BYTES, TransformerShape
 
 logger = logging.getLogger(__name__)
@@ -110,14 +110,9 @@ class GenerationEngine:
     task = "generate"
 
     def __post_init__(self) -> None:
-        if self.device == "cpu" and self.num_threads:
-            torch.set_num_threads(self.num_threads)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
+        self.tokenizer, self.model, config = load_pretrained(
+            AutoModelForCausalLM, self.path, self.device, self.dtype, self.num_threads)
         self._tokenizer_lock = threading.Lock()
-        self.model = AutoModelForCausalLM.from_pretrained(str(self.path),
-                                                          dtype=getattr(torch, self.dtype))
-        self.model.to(self.device).eval()
-        config = json.loads((self.path / "config.json").read_text())
         self.shape = TransformerShape.from_hf_config(
             {**config, "architectures": config.get("architectures") or ["CausalLM"]},
             DTYPE_BYTES[self.dtype])

@@ -81,7 +81,7 @@ class AdmissionController:
             # that arrives once the future is done (gh-86296), and the client would be served.
             async with asyncio.timeout(waiter.deadline - self._clock()):
                 lease = await asyncio.shield(future)
-        except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
+        except (TimeoutError, asyncio.CancelledError) as exc:
             if future.done() and not future.cancelled():
                 lease = future.result()  # admitted in the same instant: keep or hand back
                 if isinstance(exc, asyncio.CancelledError):

@@ -29,13 +29,13 @@ from serve_app.admission.budget import Lease, MemoryBudget
 from serve_app.admission.drain import DrainRateEstimator
 
 
-class Outcome(str, enum.Enum):
+class Outcome(enum.StrEnum):
     ADMITTED = "admitted"
     QUEUED = "queued"
     REJECTED = "rejected"
 
 
-class Reason(str, enum.Enum):
+class Reason(enum.StrEnum):
     """Why a request was refused (the ``code`` of its HTTP error)."""
 
     REQUEST_TOO_LARGE = "request_too_large"

@@ -98,7 +98,8 @@ class TransformerShape:
     def approx_param_count(self) -> int:
         """Embeddings + per layer (4 h^2 attention + 2 h i FFN); biases and norms ignored."""
         h, i = self.hidden_size, self.intermediate_size
-        return (self.vocab_size + self.max_positions) * h + self.num_layers * (4 * h * h + 2 * h * i)
+        embeddings = (self.vocab_size + self.max_positions) * h
+        return embeddings + self.num_layers * (4 * h * h + 2 * h * i)
 
     def kv_cache_bytes(self, batch: int, tokens: int) -> int:
         """``2 x batch x tokens x layers x kv_heads x head_dim x dtype_bytes`` (0 for encoders)."""

@@ -158,6 +158,16 @@ class MemoryProfile:
         return "\n".join(rows)
 
 
+def load_profile(path: str | Path) -> MemoryProfile | None:
+    """The profile saved at ``path``, or ``None`` (with a warning saying why) if it cannot be
+    read: callers then measure again or fall back to the analytic estimate."""
+    try:
+        return MemoryProfile.load(Path(path).expanduser())
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        logger.warning("cannot use the profile %s: %s", path, exc)
+        return None
+
+
 def measure_peaks(run: Callable[[int, int, int], Any], probe: DeviceProbe,
                   shapes: list[Shape], on_progress: Callable[[str], None] = logger.info,
                   ) -> list[int]:
@@ -196,15 +206,17 @@ def profile_memory(run: Callable[[int, int, int], Any], probe: DeviceProbe,
     features = DECODER_FEATURES if analytic.shape.is_decoder else ENCODER_FEATURES
     if max_new_tokens == 0:
         features = tuple(f for f in features if f != "batch_prompt")
+    features = features[:len(train)]  # tiny limits give few shapes: fit fewer terms
     fitted = fit_cost_model(train, train_peaks, features)
-    errors = [relative_error(fitted.request_bytes(*s), m) for s, m in zip(held_out, held_peaks)]
+    errors = [relative_error(fitted.request_bytes(*shape), measured)
+              for shape, measured in zip(held_out, held_peaks, strict=True)]
     fitted = FittedCostModel(fitted.features, fitted.coefficients,
                              max(errors) if errors else float("nan"))
     points = tuple(
         ProfilePoint(*shape, measured_bytes=measured,
                      predicted_bytes=fitted.request_bytes(*shape),
                      analytic_bytes=analytic.request_bytes(*shape), held_out=i >= len(train))
-        for i, (shape, measured) in enumerate(zip(train + held_out, peaks)))
+        for i, (shape, measured) in enumerate(zip(train + held_out, peaks, strict=True)))
     return MemoryProfile(device=probe.device, method=probe.method, task=task,
                          model_path=model_path, capacity_bytes=probe.capacity_bytes(),
                          held_bytes=held_bytes, cost_model=fitted, points=points,

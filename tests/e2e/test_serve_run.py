@@ -14,8 +14,13 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.support import SENTENCES, assert_idle_invariants, free_port, settled_status
-from tests.support import wait_until_ready
+from tests.support import (
+    SENTENCES,
+    assert_idle_invariants,
+    free_port,
+    settled_status,
+    wait_until_ready,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 

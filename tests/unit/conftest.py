@@ -22,7 +22,6 @@ from serve_app.admission.controller import AdmissionController
 from serve_app.admission.drain import DrainRateEstimator
 from serve_app.admission.queue import AdmissionQueue, Waiter
 
-
 # --- no Ray in unit tests ------------------------------------------------------------------
 
 

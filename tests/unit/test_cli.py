@@ -1,0 +1,212 @@
+"""``python -m serve_app profile``: argument handling, and one real run on the packaged MiniLM."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from serve_app.__main__ import (
+    EXIT_INSUFFICIENT_MEMORY,
+    EXIT_USAGE,
+    main,
+    profiling_args,
+    read_application,
+)
+from serve_app.config import parse_args
+from serve_app.memory.budget import InsufficientMemoryError
+from serve_app.memory.profiler import MemoryProfile
+from serve_app.planning import plan_deployment, plan_from_profile
+
+REPO = Path(__file__).resolve().parents[2]
+OURS = "serve_app.app:build_app"
+
+
+def write_config(tmp_path: Path, *apps: dict) -> Path:
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump({"applications": list(apps)}))
+    return path
+
+
+def run_main(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str]:
+    """Exit status and stderr of ``main(argv)``."""
+    status = main(list(argv))
+    return status, capsys.readouterr().err
+
+
+# --- argument handling (no model is loaded) ---------------------------------------------------
+
+
+def test_a_missing_config_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    status, err = run_main(capsys, "profile", "--config", str(tmp_path / "absent.yaml"))
+    assert status == EXIT_USAGE == 2
+    assert f"cannot read config {tmp_path / 'absent.yaml'}" in err
+    assert "Traceback" not in err
+
+
+def test_a_file_that_is_not_a_serve_config_exits_2(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "list.yaml"
+    path.write_text("- just\n- a list\n")
+    status, err = run_main(capsys, "profile", "--config", str(path))
+    assert status == 2
+    assert "no `applications:` list" in err
+
+
+def test_an_unknown_app_name_exits_2_and_lists_the_names(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = write_config(tmp_path, {"name": "a", "import_path": OURS},
+                        {"name": "b", "import_path": OURS})
+    status, err = run_main(capsys, "profile", "--config", str(path), "--app", "c")
+    assert status == 2
+    assert "no application named 'c' (it has 'a', 'b')" in err
+
+
+def test_an_app_that_is_not_vramgate_exits_2(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture) -> None:
+    path = write_config(tmp_path, {"name": "other", "import_path": "elsewhere:app"})
+    status, err = run_main(capsys, "profile", "--config", str(path), "--app", "other")
+    assert status == 2
+    assert "'other' has import_path 'elsewhere:app'" in err
+    status, err = run_main(capsys, "profile", "--config", str(path))
+    assert status == 2
+    assert f"no application has import_path {OURS}" in err
+
+
+@pytest.mark.parametrize("bad_args, key", [
+    ({"admission": {"max_queu_len": 1}}, "args.admission.max_queu_len: unknown key"),
+    ({"memory": {"safety_factor": 2}}, "args.memory.safety_factor: Input should be less"),
+])
+def test_invalid_args_exit_2_naming_the_key(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                            bad_args: dict, key: str) -> None:
+    path = write_config(tmp_path, {"name": "x", "import_path": OURS, "args": bad_args})
+    status, err = run_main(capsys, "profile", "--config", str(path))
+    assert status == 2
+    assert key in err
+    assert "Traceback" not in err
+
+
+def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main([])
+    assert exited.value.code == 2
+    assert "COMMAND" in capsys.readouterr().err
+
+
+def test_the_default_application_is_the_first_vramgate_one(tmp_path: Path) -> None:
+    path = write_config(tmp_path, {"name": "other", "import_path": "elsewhere:app"},
+                        {"name": "first", "import_path": OURS, "args": {"model": {"name": "m"}}},
+                        {"name": "second", "import_path": OURS})
+    assert read_application(path, None) == ("first", {"model": {"name": "m"}})
+    assert read_application(path, "second") == ("second", {})
+
+
+def test_the_measurement_is_fresh_and_on_the_replicas_device() -> None:
+    cpu = profiling_args(parse_args({"memory": {"profile_path": "old.json"}}))
+    assert cpu.memory.profile_path == ""
+    assert cpu.model.device == "cpu"  # auto without num_gpus: the replica sees no GPU
+    gpu = profiling_args(parse_args({"deployment": {"num_gpus": 0.5}}))
+    assert gpu.model.device == "auto"
+
+
+def test_insufficient_memory_exits_3(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import deployments.profiling
+
+    def refuse(args, on_progress):
+        raise InsufficientMemoryError("budget of -5 bytes cannot hold the largest request")
+
+    monkeypatch.setattr(deployments.profiling, "measure_replica", refuse)
+    path = write_config(tmp_path, {"name": "x", "import_path": OURS})
+    status, err = run_main(capsys, "profile", "--config", str(path))
+    assert status == EXIT_INSUFFICIENT_MEMORY == 3
+    assert "insufficient memory: budget of -5 bytes" in err
+    assert not (tmp_path / "profiles").exists()
+
+
+# --- a real run: load MiniLM on CPU, profile a small ladder, recommend, save ------------------
+
+
+def test_profile_the_packaged_minilm(tmp_path: Path) -> None:
+    raw = yaml.safe_load((REPO / "configs" / "local.yaml").read_text())
+    app = raw["applications"][0]
+    app["args"]["limits"].update(max_inputs=4, max_input_tokens=32)  # a small, fast ladder
+    config = tmp_path / "small.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "p.json"
+
+    done = subprocess.run(
+        [sys.executable, "-m", "serve_app", "profile", "--config", str(config), "--out",
+         str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+    assert done.returncode == 0, done.stderr
+    assert "profiled 1/" in done.stderr  # progress goes to stderr
+    stdout = done.stdout
+    assert "device:   cpu" in stdout
+    assert "method:   host RSS" in stdout
+    profile = MemoryProfile.load(out)
+    assert len(profile.points) >= 5 and any(p.held_out for p in profile.points)
+    assert profile.device == "cpu" and profile.capacity_bytes == 2147483648
+
+    # The printed recommendation is plan_from_profile's, and a config using the saved
+    # profile plans exactly that.
+    args = parse_args(app["args"])
+    expected = plan_from_profile(args, profile)
+    printed = {key: re.search(rf"^  {key}: (\S+)", stdout, re.MULTILINE).group(1)
+               for key in ("max_ongoing_requests", "budget_bytes", "num_gpus")}
+    assert printed == {"max_ongoing_requests": str(expected.max_ongoing_requests),
+                       "budget_bytes": str(expected.budget_bytes), "num_gpus": "0"}
+    assert expected.max_ongoing_requests == (expected.budget_bytes // expected.request_bytes
+                                             + args.admission.max_queue_len)
+    assert f"    profile_path: {out}" in stdout
+    with_profile = args.model_copy(update={"memory": args.memory.model_copy(
+        update={"profile_path": str(out)})})
+    planned = plan_deployment(with_profile)
+    assert planned.max_ongoing_requests == expected.max_ongoing_requests
+    assert planned.how == f"measured profile {out}"
+
+
+def test_profile_the_fake_engine_recommends_a_share_of_its_card(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    args = {"model": {"task": "fake"}, "deployment": {"num_gpus": 0.5},
+            "fake": {"device_capacity_bytes": 16 << 30, "weights_bytes": 1 << 30,
+                     "latency_per_token_s": 0},
+            "limits": {"max_inputs": 4, "max_input_tokens": 64, "max_tokens": 32}}
+    config = write_config(tmp_path, {"name": "fake", "import_path": OURS, "args": args})
+    out = tmp_path / "fake.json"
+
+    assert main(["profile", "--config", str(config), "--out", str(out)]) == 0
+
+    stdout = capsys.readouterr().out
+    profile = MemoryProfile.load(out)
+    assert profile.task == "fake" and profile.held_bytes == 1 << 30
+    # P95: 4 x 64 tokens (256 MiB at 1 MiB per token) costs more than 1 x 64 + 32 new.
+    assert "P95 request (4 x 64 tokens or 1 x 64 tokens + 32 new)" in stdout
+    assert "largest request (4 x 64 tokens + 32 new)" in stdout
+    budget = int(((8 << 30) - (1 << 30)) * 0.9)
+    assert f"  budget_bytes: {budget}" in stdout
+    running = budget // profile.cost_model.request_bytes(4, 64)
+    assert running == 25
+    assert f"  max_ongoing_requests: {running + 64}" in stdout
+    # 1 GiB held + 25 x 256 MiB / 0.9 = 8135 MiB of the 16 GiB card: 0.4965, so 0.5.
+    assert "  num_gpus: 0.5   # smallest 0.05 of the card" in stdout
+
+
+def test_running_out_of_memory_while_profiling_exits_3(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # The largest request, 4 x (64 + 32) tokens at 1 MiB each, is more than the 256 MiB card.
+    args = {"model": {"task": "fake"},
+            "fake": {"device_capacity_bytes": 256 << 20, "weights_bytes": 0,
+                     "latency_per_token_s": 0},
+            "limits": {"max_inputs": 4, "max_input_tokens": 64, "max_tokens": 32}}
+    config = write_config(tmp_path, {"name": "fake", "import_path": OURS, "args": args})
+    status, err = run_main(capsys, "profile", "--config", str(config),
+                           "--out", str(tmp_path / "p.json"))
+    assert status == 3
+    assert "profiling ran out of device memory" in err
+    assert "Lower limits.max_inputs" in err
+    assert not (tmp_path / "p.json").exists()
