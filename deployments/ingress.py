@@ -8,6 +8,7 @@ echoes it on every response; the ingress reads it from the request for its logs.
 
 # No `from __future__ import annotations` here: FastAPI reads the route signatures at run time.
 import base64
+import hmac
 import json
 import logging
 import time
@@ -16,7 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError
@@ -27,6 +28,7 @@ from deployments.engines.base import GenerationParams
 from serve_app.admission.drain import retry_after_s
 from serve_app.config import parse_args
 from serve_app.errors import (
+    AuthenticationError,
     BodyTooLargeError,
     InvalidRequestError,
     ModelNotFoundError,
@@ -106,13 +108,15 @@ class Ingress:
         self._model = model
         self._registry = registry
         self._created = int(time.time())
+        self._api_key = self._args.auth.resolved_key().encode()
         self._statuses: list[dict[str, Any]] = []
         self._statuses_at = -float("inf")
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         """Ray Serve calls this after ``__init__``; the routes close over this replica."""
         app = FastAPI(title="vramgate",
-                      description="Memory-budget admission for model serving on Ray Serve.")
+                      description="Memory-budget admission for model serving on Ray Serve.",
+                      dependencies=[Depends(self._authenticate)])
         app.add_middleware(BodyLimitMiddleware, max_body_bytes=self._args.limits.max_body_bytes)
         install_error_handlers(app)
         if self._args.model.task in ("embed", "fake"):
@@ -259,6 +263,17 @@ class Ingress:
                 self._statuses = []
             self._statuses_at = now
         return self._statuses
+
+    async def _authenticate(self, request: Request) -> None:
+        """Every route but the probes needs ``Authorization: Bearer <auth key>`` when a key is
+        configured; compared in constant time (``hmac.compare_digest``)."""
+        if not self._api_key or request.url.path in ("/healthz", "/readyz"):
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
+                                                                  self._api_key):
+            raise AuthenticationError("missing or invalid API key (send Authorization: "
+                                      "Bearer <key>)")
 
     def _check_model(self, requested: str | None) -> None:
         if requested is not None and requested != self._args.model.name:

@@ -115,6 +115,21 @@ class DeploymentConfig(_Section):
     health_check_timeout_s: float = Field(30.0, gt=0, description="Ray Serve health checks.")
 
 
+class AuthConfig(_Section):
+    api_key: str = Field(
+        "", description="Bearer key clients must send (`Authorization: Bearer <key>`) on every "
+        "route but /healthz and /readyz. Empty: no key (unless `api_key_env` names one).")
+    api_key_env: str = Field(
+        "VRAMGATE_API_KEY", description="Environment variable read for the key when `api_key` "
+        "is empty (keeps the key out of the config file).")
+
+    def resolved_key(self) -> str:
+        """The configured key: ``api_key``, else the environment variable, else ``""``."""
+        import os
+
+        return self.api_key or os.environ.get(self.api_key_env, "")
+
+
 class FakeConfig(_Section):
     """The model-free engine of ``model.task: fake`` on a simulated device: exact, known
     memory and time costs for tests, load tests and demos on machines without a GPU."""
@@ -142,6 +157,7 @@ class AppArgs(_Section):
     limits: LimitsConfig = LimitsConfig()
     deployment: DeploymentConfig = DeploymentConfig()
     fake: FakeConfig = FakeConfig()
+    auth: AuthConfig = AuthConfig()
 
     @model_validator(mode="after")
     def _check_task(self) -> AppArgs:
