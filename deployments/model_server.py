@@ -17,16 +17,23 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
+import torch
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deployments.engines.base import GenerationParams
 from deployments.profiling import measure_replica
 from deployments.registry import PUBLISH_PERIOD_S
+from serve_app.admission.aimd import AimdBudget
 from serve_app.admission.controller import Admission, AdmissionController
 from serve_app.admission.policy import AdmissionPolicy
 from serve_app.config import parse_args
-from serve_app.errors import InferenceTimeoutError, InvalidRequestError, ModelNotFoundError
+from serve_app.errors import (
+    InferenceTimeoutError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    OverloadedError,
+)
 from serve_app.schemas import Admitted, CompletionResult, EmbeddingResult
 
 logger = logging.getLogger("ray.serve")
@@ -57,6 +64,11 @@ class ModelServer:
         self._gate = AdmissionController(self._policy.capacity_units,
                                          args.admission.max_queue_len,
                                          args.admission.max_queue_wait_s)
+        adm = args.admission
+        self._aimd = AimdBudget(measured.budget_bytes, adm.oom_decrease_factor,
+                                adm.oom_regrow_fraction, adm.oom_quiet_s,
+                                adm.oom_floor_fraction) if self._policy.name == "budget" else None
+        self._oom_count = 0
         context = serve.get_replica_context()
         self._replica_id = context.replica_id.unique_id if context else "local"
         self._memory = measured.status(args)
@@ -139,7 +151,10 @@ class ModelServer:
                     raise self._timeout_error()
             while not pieces.empty():  # pieces put before the thread returned
                 yield {"text": pieces.get_nowait()}
-            output = future.result()
+            try:
+                output = future.result()
+            except torch.OutOfMemoryError:
+                raise self._after_oom(admitted.lease.nbytes) from None
             yield {"finish_reason": output.finish_reason, "prompt_tokens": prompt_tokens,
                    "completion_tokens": output.completion_tokens}
         finally:
@@ -173,7 +188,7 @@ class ModelServer:
         returns, whatever happens to the caller meanwhile (timeout, cancellation)."""
         loop = asyncio.get_running_loop()
         try:
-            future = loop.run_in_executor(self._executor, work)
+            future = loop.run_in_executor(self._executor, _freeing_cache_on_oom(work))
         except BaseException:
             self._gate.release(admission.lease, ran=False)
             raise
@@ -201,6 +216,26 @@ class ModelServer:
                 return await asyncio.shield(future)
         except TimeoutError:
             raise self._timeout_error() from None
+        except torch.OutOfMemoryError:
+            raise self._after_oom(admission.lease.nbytes) from None
+
+    def _after_oom(self, request_units: int) -> OverloadedError:
+        """A caught out-of-memory error: the request gets 503 ``oom``; under the budget policy
+        the budget shrinks (AIMD, :mod:`serve_app.admission.aimd`) and regrows later."""
+        self._oom_count += 1
+        retry_after_s = self._gate.retry_after_s(request_units)
+        if self._aimd is not None:
+            budget = self._aimd.on_oom()
+            self._gate.set_budget_bytes(budget, retry_after_s)
+            logger.warning("out of memory: budget shrunk to %d bytes (%d OOMs so far)",
+                           budget, self._oom_count)
+        return OverloadedError("the device ran out of memory; retry later", code="oom",
+                               retry_after_s=retry_after_s)
+
+    def _regrow_budget(self) -> None:
+        if self._aimd is not None and (budget := self._aimd.regrow()) is not None:
+            self._gate.set_budget_bytes(budget, retry_after_s=1)
+            logger.info("budget regrown to %d bytes", budget)
 
     def _timeout_error(self) -> InferenceTimeoutError:
         return InferenceTimeoutError(
@@ -234,13 +269,17 @@ class ModelServer:
             "released_bytes_total": budget.released_bytes_total,
             "inferences_running": self._inferences_running,
             "drain_bytes_per_s": queue.drain.bytes_per_s(),
-            "oom_count": 0,
-            "budget_shrink_count": 0,
+            "budget_bytes": budget.budget_bytes if self._aimd else self._memory["budget_bytes"],
+            "measured_budget_bytes": self._memory["budget_bytes"],
+            "oom_count": self._oom_count,
+            "budget_shrink_count": self._aimd.shrink_count if self._aimd else 0,
+            "budget_regrow_count": self._aimd.regrow_count if self._aimd else 0,
             "updated_at": time.time(),
         }
 
     async def _publish_forever(self) -> None:
         while True:
+            self._regrow_budget()
             try:
                 await self._registry.publish.remote(self._replica_id, await self.status())
             except Exception:  # the registry restarting must not take the replica down
@@ -252,6 +291,19 @@ class ModelServer:
             self._publisher.cancel()
         if getattr(self, "_executor", None) is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _freeing_cache_on_oom(work: Callable[[], Any]) -> Callable[[], Any]:
+    """``work``, but an out-of-memory error first returns PyTorch's cached blocks to the device
+    (``torch.cuda.empty_cache``), on the inference thread, before it propagates."""
+    def run() -> Any:
+        try:
+            return work()
+        except torch.OutOfMemoryError:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            raise
+    return run
 
 
 def _admitted(admission: Admission) -> Admitted:

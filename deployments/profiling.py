@@ -105,6 +105,8 @@ def measure_replica(args: AppArgs, on_progress: Callable[[str], None] = logger.i
         probe.capacity_bytes(), held_bytes, args.memory.reserve_bytes, args.memory.safety_factor,
         min_request_bytes=max_request_bytes if args.admission.policy == "budget" else 0,
         override_bytes=args.memory.budget_bytes)
+    if args.model.task == "fake":  # faults only once measured: profile the model, not them
+        engine.oom_probability = args.fake.oom_probability
     return MeasuredReplica(engine, probe, profile, profile.cost_model, max_request_bytes,
                            budget_bytes, reused)
 
@@ -122,7 +124,8 @@ def _load(args: AppArgs) -> tuple[DeviceProbe, Engine, int]:
         probe: DeviceProbe = SimulatedDeviceProbe(device)
         engine: Engine = FakeEngine(device, fake.weights_bytes, fake.bytes_per_token,
                                     fake.bytes_per_request, fake.latency_per_token_s,
-                                    fake.dimensions, fake.max_seq_tokens)
+                                    fake.dimensions, fake.max_seq_tokens,
+                                    fault_seed=fake.fault_seed)
         return probe, engine, device.allocated_bytes
     device_kind = resolve_device(args.model.device)
     probe = make_probe(device_kind, args)

@@ -76,6 +76,16 @@ class AdmissionConfig(_Section):
     max_queue_wait_s: float = Field(
         10.0, gt=0, allow_inf_nan=False,
         description="Longest wait for admission before 503 `queue_timeout`.")
+    oom_decrease_factor: float = Field(
+        0.7, gt=0, lt=1, description="Budget multiplier on each caught out-of-memory error.")
+    oom_regrow_fraction: float = Field(
+        0.1, gt=0, le=1, description="Share of the measured budget regained per quiet period.")
+    oom_quiet_s: float = Field(
+        10.0, gt=0, allow_inf_nan=False, description="Seconds without an OOM before each "
+        "regrowth step.")
+    oom_floor_fraction: float = Field(
+        0.25, gt=0, le=1, description="The budget never shrinks below this share of the "
+        "measured budget.")
     inference_timeout_s: float = Field(
         30.0, gt=0, allow_inf_nan=False,
         description="Longest inference before 504 `inference_timeout`.")
@@ -145,6 +155,10 @@ class FakeConfig(_Section):
         0.0005, ge=0, allow_inf_nan=False, description="Seconds per token of "
         "batch x (prompt + new tokens).")
     dimensions: int = Field(384, ge=1, description="Embedding dimensions.")
+    oom_probability: float = Field(
+        0.0, ge=0, le=1, description="Injected fault: each inference raises the device's "
+        "out-of-memory error with this probability.")
+    fault_seed: int = Field(0, description="Seeds the injected faults.")
     max_seq_tokens: int = Field(2048, ge=2, description="Longest prompt + completion.")
 
 

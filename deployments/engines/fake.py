@@ -72,6 +72,9 @@ class FakeEngine:
             above. Default: :func:`default_shape`.
         seed: seeds the sampler used when a generation has ``temperature > 0`` and no seed.
         sleep: called with the seconds a run takes (inject a no-op in tests).
+        oom_probability: injected fault: each run raises the device's OOM with this
+            probability, as if fragmentation or another process had taken its memory.
+        fault_seed: seeds the fault injection (reproducible storms).
 
     Raises:
         torch.OutOfMemoryError: ``weights_bytes`` do not fit on the device.
@@ -88,10 +91,13 @@ class FakeEngine:
     shape: TransformerShape | None = None
     seed: int = 0
     sleep: Callable[[float], None] = field(default=time.sleep, repr=False)
+    oom_probability: float = 0.0
+    fault_seed: int = 0
 
     task = "fake"
 
     def __post_init__(self) -> None:
+        self._faults = random.Random(self.fault_seed)
         for name in ("weights_bytes", "bytes_per_token", "bytes_per_request",
                      "latency_per_token_s"):
             if getattr(self, name) < 0:
@@ -186,6 +192,8 @@ class FakeEngine:
     def _hold(self, nbytes: int) -> Iterator[Allocation]:
         """Allocate ``nbytes`` for one run and free them on every path. Every request's
         memory passes here: the single place for fault injection."""
+        if self.oom_probability and self._faults.random() < self.oom_probability:
+            raise self.device.out_of_memory(nbytes)
         allocation = self.device.allocate(nbytes)
         try:
             yield allocation

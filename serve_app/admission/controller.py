@@ -62,16 +62,17 @@ class AdmissionController:
         """Wait for a lease of ``nbytes``.
 
         Raises:
-            RequestTooLargeError: ``nbytes`` exceeds the whole budget (400, at once).
-            OverloadedError: ``queue_full`` at arrival, or ``queue_timeout`` after
-                ``max_queue_wait_s`` (503, with ``retry_after_s``).
+            RequestTooLargeError: ``nbytes`` exceeds the whole measured budget (400, at once).
+            OverloadedError: ``queue_full`` at arrival, ``queue_timeout`` after
+                ``max_queue_wait_s``, or ``oom`` when the budget, shrunk after an
+                out-of-memory error, cannot hold it now (503, with ``retry_after_s``).
             asyncio.CancelledError: the caller was cancelled; nothing stays reserved.
         """
         decision = self.queue.submit(nbytes)
         if decision.outcome is Outcome.ADMITTED:
             return Admission(decision.lease, 0.0, 0)
         if decision.outcome is Outcome.REJECTED:
-            raise _refusal(decision.reason, nbytes, self.budget.budget_bytes,
+            raise _refusal(decision.reason, nbytes, self.queue.max_budget_bytes,
                            decision.retry_after_s, decision.queue_position)
         waiter = decision.waiter
         future = asyncio.get_running_loop().create_future()
@@ -82,15 +83,20 @@ class AdmissionController:
             async with asyncio.timeout(waiter.deadline - self._clock()):
                 lease = await asyncio.shield(future)
         except (TimeoutError, asyncio.CancelledError) as exc:
-            if future.done() and not future.cancelled():
+            cancelled = isinstance(exc, asyncio.CancelledError)
+            if future.done() and future.exception() is not None:  # evicted in the same instant
+                if cancelled:
+                    raise
+                raise future.exception() from None
+            if future.done():
                 lease = future.result()  # admitted in the same instant: keep or hand back
-                if isinstance(exc, asyncio.CancelledError):
+                if cancelled:
                     self.release(lease, ran=False)
                     raise
             else:
                 retry_after_s = self.queue.timeout_retry_after_s(waiter)
                 self.queue.cancel(waiter)
-                if isinstance(exc, asyncio.CancelledError):
+                if cancelled:
                     raise
                 raise OverloadedError(
                     f"waited {self.queue.max_queue_wait_s:g} s for memory without being "
@@ -112,6 +118,24 @@ class AdmissionController:
             lease.release()
             self.queue.pump()
 
+    def retry_after_s(self, nbytes: int) -> int:
+        """``Retry-After`` for a request of ``nbytes`` refused now: the bytes queued ahead of
+        it plus its own, less what is free, over the measured drain rate."""
+        return self.queue.drain.retry_after_s(
+            self.queue.queued_bytes + nbytes - self.budget.free_bytes,
+            fallback_s=self.queue.max_queue_wait_s)
+
+    def set_budget_bytes(self, budget_bytes: int, retry_after_s: int) -> None:
+        """Shrink or regrow the budget. Waiters too large for the new budget get 503 ``oom``
+        with ``retry_after_s``; whoever now fits is admitted."""
+        for waiter in self.queue.set_budget_bytes(budget_bytes):
+            future = self._futures.get(waiter.waiter_id)
+            if future is not None and not future.done():
+                future.set_exception(OverloadedError(
+                    "the replica's memory budget shrank after an out-of-memory error",
+                    code=Reason.OOM.value, retry_after_s=retry_after_s,
+                    queue_position=waiter.position))
+
     def _wake(self, waiter: Waiter) -> None:
         future = self._futures.get(waiter.waiter_id)
         if future is not None and not future.done():
@@ -127,6 +151,10 @@ def _refusal(reason: Reason, nbytes: int, budget_bytes: int, retry_after_s: int 
         return RequestTooLargeError(
             f"the request needs an estimated {nbytes} bytes of device memory, more than the "
             f"replica's whole budget of {budget_bytes} bytes; send fewer or shorter inputs")
+    if reason is Reason.OOM:
+        return OverloadedError(
+            "the replica's memory budget shrank after an out-of-memory error and cannot hold "
+            "this request now", code=reason.value, retry_after_s=retry_after_s)
     return OverloadedError("the replica's admission queue is full",
                            code=reason.value, retry_after_s=retry_after_s,
                            queue_position=queue_position)

@@ -41,6 +41,7 @@ class Reason(enum.StrEnum):
     REQUEST_TOO_LARGE = "request_too_large"
     QUEUE_FULL = "queue_full"
     QUEUE_TIMEOUT = "queue_timeout"
+    OOM = "oom"  # fits the measured budget, not the budget shrunk after an OOM
 
 
 @dataclass(eq=False)
@@ -54,6 +55,7 @@ class Waiter:
     position: int
     lease: Lease | None = None
     expired: bool = False
+    evicted: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,7 @@ class AdmissionQueue:
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1), init=False)
 
     def __post_init__(self) -> None:
+        self.max_budget_bytes = self.budget.budget_bytes
         if self.max_queue_len < 0:
             raise ValueError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
         if self.drain is None:
@@ -119,8 +122,11 @@ class AdmissionQueue:
         """
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        if not self.budget.fits_ever(nbytes):
+        if nbytes > self.max_budget_bytes:
             return Decision(Outcome.REJECTED, nbytes, reason=Reason.REQUEST_TOO_LARGE)
+        if not self.budget.fits_ever(nbytes):
+            return Decision(Outcome.REJECTED, nbytes, reason=Reason.OOM,
+                            retry_after_s=self._retry_after_s(nbytes))
         self.expire()
         if not self._waiters:
             lease = self.budget.try_reserve(nbytes)
@@ -169,6 +175,19 @@ class AdmissionQueue:
         if gone:
             self.pump()
         return gone
+
+    def set_budget_bytes(self, budget_bytes: int) -> list[Waiter]:
+        """Change the budget (AIMD after an OOM), at most to the budget the queue started
+        with. Waiters that no longer fit even an idle replica are removed and marked
+        ``evicted`` (returned); whoever now fits is admitted (via ``on_admit``)."""
+        self.budget.set_budget_bytes(min(budget_bytes, self.max_budget_bytes))
+        evicted = [w for w in self._waiters.values() if not self.budget.fits_ever(w.nbytes)]
+        for waiter in evicted:
+            del self._waiters[waiter.waiter_id]
+            self._queued_bytes -= waiter.nbytes
+            waiter.evicted = True
+        self.pump()
+        return evicted
 
     def timeout_retry_after_s(self, waiter: Waiter) -> int:
         """``Retry-After`` for a waiter that timed out: the bytes that were ahead of it."""

@@ -138,6 +138,14 @@ class SimulatedDevice:
             raise _out_of_memory(self, nbytes, allocated)
         return Allocation(self, int(nbytes))
 
+    def out_of_memory(self, nbytes: int) -> Exception:
+        """The error an allocation of ``nbytes`` that does not fit raises (for injected
+        faults: counted in ``oom_count`` like a real overrun)."""
+        with self._lock:
+            self._oom_count += 1
+            allocated = self._allocated_bytes
+        return _out_of_memory(self, nbytes, allocated)
+
     def _release(self, allocation: Allocation) -> None:
         with self._lock:
             if allocation._freed:

@@ -276,3 +276,32 @@ def test_release_is_idempotent(make_controller, clock) -> None:
         assert controller.queue.drain.bytes_per_s() == pytest.approx(3.0)  # 30 B / 10 s, once
 
     asyncio.run(main())
+
+
+async def test_a_shrunk_budget_evicts_waiters_that_no_longer_fit_and_regrowth_admits(
+        make_controller) -> None:
+    import asyncio
+
+    from serve_app.errors import OverloadedError, RequestTooLargeError
+
+    controller = make_controller(budget_bytes=100, max_queue_len=4, max_queue_wait_s=60)
+    held = await controller.acquire(60)
+    big = asyncio.create_task(controller.acquire(80))
+    small = asyncio.create_task(controller.acquire(30))
+    await asyncio.sleep(0)
+    controller.set_budget_bytes(50, retry_after_s=7)
+    with pytest.raises(OverloadedError) as evicted:
+        await big
+    assert (evicted.value.code, evicted.value.retry_after_s) == ("oom", 7)
+    # A newcomer larger than the shrunk budget is refused as transient (503), not as 400 ...
+    with pytest.raises(OverloadedError) as refused:
+        await controller.acquire(80)
+    assert refused.value.code == "oom" and refused.value.retry_after_s >= 1
+    # ... while one larger than the measured budget still can never run.
+    with pytest.raises(RequestTooLargeError):
+        await controller.acquire(101)
+    controller.release(held.lease)  # 30 fits the shrunk budget once 60 are back
+    admitted = await small
+    controller.set_budget_bytes(1000, retry_after_s=1)  # regrowth is capped at the measured
+    assert controller.budget.budget_bytes == 100
+    controller.release(admitted.lease)
