@@ -38,6 +38,11 @@ from serve_app.schemas import Admitted, CompletionResult, EmbeddingResult
 
 logger = logging.getLogger("ray.serve")
 
+# Substrings of the CUDA errors after which a process's CUDA context is unusable. PyTorch raises
+# them as RuntimeError carrying CUDA's own message, e.g. "CUDA error: an illegal memory access
+# was encountered" or "CUDA error: device-side assert triggered".
+DEVICE_FAULT_MARKS = ("CUDA error", "illegal memory access", "device-side assert")
+
 
 @serve.deployment
 class ModelServer:
@@ -69,6 +74,8 @@ class ModelServer:
                                 adm.oom_regrow_fraction, adm.oom_quiet_s,
                                 adm.oom_floor_fraction) if self._policy.name == "budget" else None
         self._oom_count = 0
+        self._running_since: float | None = None  # monotonic start of the running inference
+        self._device_fault: str | None = None  # a non-OOM CUDA error: the replica is done
         context = serve.get_replica_context()
         self._replica_id = context.replica_id.unique_id if context else "local"
         self._memory = measured.status(args)
@@ -155,6 +162,8 @@ class ModelServer:
                 output = future.result()
             except torch.OutOfMemoryError:
                 raise self._after_oom(admitted.lease.nbytes) from None
+            except RuntimeError as exc:
+                raise self._after_device_error(exc) from None
             yield {"finish_reason": output.finish_reason, "prompt_tokens": prompt_tokens,
                    "completion_tokens": output.completion_tokens}
         finally:
@@ -170,6 +179,9 @@ class ModelServer:
         return await self._admit(1, prompt_tokens, params.max_tokens), prompt_tokens
 
     async def _admit(self, batch: int, prompt_tokens: int, new_tokens: int) -> Admission:
+        if self._device_fault is not None:
+            raise OverloadedError("the model replica hit a device fault and is being replaced",
+                                  code="draining", retry_after_s=1)
         request_bytes = self._cost_model.request_bytes(batch, prompt_tokens, new_tokens)
         return await self._gate.acquire(self._policy.units(request_bytes))
 
@@ -193,9 +205,11 @@ class ModelServer:
             self._gate.release(admission.lease, ran=False)
             raise
         self._inferences_running += 1
+        self._running_since = time.monotonic()
 
         def finished(done: asyncio.Future) -> None:
             self._inferences_running -= 1
+            self._running_since = None
             self._gate.release(admission.lease)
             if not done.cancelled():
                 done.exception()  # retrieved here so an abandoned failure is not logged twice
@@ -218,6 +232,36 @@ class ModelServer:
             raise self._timeout_error() from None
         except torch.OutOfMemoryError:
             raise self._after_oom(admission.lease.nbytes) from None
+        except RuntimeError as exc:
+            raise self._after_device_error(exc) from None
+
+    def _after_device_error(self, exc: RuntimeError) -> Exception:
+        """A CUDA error that is not an OOM ("device-side assert", "illegal memory access")
+        leaves the CUDA context unusable: the replica stops admitting and fails its health
+        check so Ray Serve replaces it; the budget is not shrunk. Other errors are bugs."""
+        if not any(mark in str(exc) for mark in DEVICE_FAULT_MARKS):
+            return exc
+        self._device_fault = str(exc)
+        logger.error("device fault, the replica will be replaced: %s", exc)
+        return OverloadedError("the model replica hit a device fault and is being replaced",
+                               code="draining", retry_after_s=1)
+
+    async def check_health(self) -> None:
+        """Ray Serve's health check (every ``deployment.health_check_period_s``).
+
+        Raises:
+            RuntimeError: after a device fault, or while an inference has run longer than
+                ``admission.stuck_after_timeouts`` x ``inference_timeout_s``.
+        """
+        if self._device_fault is not None:
+            raise RuntimeError(f"device fault: {self._device_fault}")
+        adm = self._args.admission
+        stuck_after_s = adm.stuck_after_timeouts * adm.inference_timeout_s
+        if self._running_since is not None:
+            running_s = time.monotonic() - self._running_since
+            if running_s > stuck_after_s:
+                raise RuntimeError(f"an inference has run for {running_s:.0f} s "
+                                   f"(stuck after {stuck_after_s:g} s)")
 
     def _after_oom(self, request_units: int) -> OverloadedError:
         """A caught out-of-memory error: the request gets 503 ``oom``; under the budget policy

@@ -106,7 +106,10 @@ def measure_replica(args: AppArgs, on_progress: Callable[[str], None] = logger.i
         min_request_bytes=max_request_bytes if args.admission.policy == "budget" else 0,
         override_bytes=args.memory.budget_bytes)
     if args.model.task == "fake":  # faults only once measured: profile the model, not them
-        engine.oom_probability = args.fake.oom_probability
+        fake = args.fake
+        engine.oom_probability = fake.oom_probability
+        engine.cuda_error_probability = fake.cuda_error_probability
+        engine.hang_probability, engine.hang_s = fake.hang_probability, fake.hang_s
     return MeasuredReplica(engine, probe, profile, profile.cost_model, max_request_bytes,
                            budget_bytes, reused)
 

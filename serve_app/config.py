@@ -86,6 +86,10 @@ class AdmissionConfig(_Section):
     oom_floor_fraction: float = Field(
         0.25, gt=0, le=1, description="The budget never shrinks below this share of the "
         "measured budget.")
+    stuck_after_timeouts: float = Field(
+        3.0, ge=1, allow_inf_nan=False, description="An inference still running after this "
+        "many `inference_timeout_s` makes the replica's health check fail, so Ray Serve "
+        "replaces it (a thread cannot be killed).")
     inference_timeout_s: float = Field(
         30.0, gt=0, allow_inf_nan=False,
         description="Longest inference before 504 `inference_timeout`.")
@@ -158,6 +162,12 @@ class FakeConfig(_Section):
     oom_probability: float = Field(
         0.0, ge=0, le=1, description="Injected fault: each inference raises the device's "
         "out-of-memory error with this probability.")
+    cuda_error_probability: float = Field(
+        0.0, ge=0, le=1, description="Injected fault: each inference raises a non-OOM CUDA "
+        "error (\"device-side assert triggered\") with this probability.")
+    hang_probability: float = Field(
+        0.0, ge=0, le=1, description="Injected fault: each inference hangs for `hang_s`.")
+    hang_s: float = Field(3600.0, ge=0, allow_inf_nan=False, description="How long a hang lasts.")
     fault_seed: int = Field(0, description="Seeds the injected faults.")
     max_seq_tokens: int = Field(2048, ge=2, description="Longest prompt + completion.")
 

@@ -12,7 +12,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from ray.exceptions import RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -41,6 +41,9 @@ def as_serve_app_error(exc: BaseException) -> ServeAppError:
     if isinstance(exc, BackPressureError):
         return OverloadedError("every model replica's queue is full", code="queue_full",
                                retry_after_s=1)
+    if isinstance(exc, RayActorError):  # the replica died or was replaced mid-request
+        return OverloadedError("the model replica serving this request stopped; retry",
+                               code="no_replicas", retry_after_s=1)
     if isinstance(exc, DeploymentUnavailableError):
         return OverloadedError("no model replica is available", code="no_replicas",
                                retry_after_s=1)

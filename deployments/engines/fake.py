@@ -74,6 +74,9 @@ class FakeEngine:
         sleep: called with the seconds a run takes (inject a no-op in tests).
         oom_probability: injected fault: each run raises the device's OOM with this
             probability, as if fragmentation or another process had taken its memory.
+        cuda_error_probability: injected fault: each run raises a non-OOM CUDA error
+            (``RuntimeError("CUDA error: device-side assert triggered")``).
+        hang_probability, hang_s: injected fault: each run first sleeps ``hang_s``.
         fault_seed: seeds the fault injection (reproducible storms).
 
     Raises:
@@ -92,6 +95,9 @@ class FakeEngine:
     seed: int = 0
     sleep: Callable[[float], None] = field(default=time.sleep, repr=False)
     oom_probability: float = 0.0
+    cuda_error_probability: float = 0.0
+    hang_probability: float = 0.0
+    hang_s: float = 3600.0
     fault_seed: int = 0
 
     task = "fake"
@@ -192,6 +198,10 @@ class FakeEngine:
     def _hold(self, nbytes: int) -> Iterator[Allocation]:
         """Allocate ``nbytes`` for one run and free them on every path. Every request's
         memory passes here: the single place for fault injection."""
+        if self.hang_probability and self._faults.random() < self.hang_probability:
+            self.sleep(self.hang_s)
+        if self.cuda_error_probability and self._faults.random() < self.cuda_error_probability:
+            raise RuntimeError("CUDA error: device-side assert triggered")
         if self.oom_probability and self._faults.random() < self.oom_probability:
             raise self.device.out_of_memory(nbytes)
         allocation = self.device.allocate(nbytes)

@@ -257,3 +257,22 @@ def test_a_prompt_longer_than_max_seq_tokens_is_refused(device: SimulatedDevice)
     with pytest.raises(ValueError, match="exceeds max_seq_tokens 4"):
         engine.generate("one two three", greedy())
     assert device.allocated_bytes == 0
+
+
+def test_injected_faults_raise_and_leave_only_the_weights(engine: FakeEngine,
+                                                         device: SimulatedDevice,
+                                                         sleep: SleepLog) -> None:
+    import torch
+
+    engine.cuda_error_probability = 1.0
+    with pytest.raises(RuntimeError, match="device-side assert triggered"):
+        engine.embed(["a b"])
+    engine.cuda_error_probability, engine.oom_probability = 0.0, 1.0
+    ooms = device.oom_count
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
+        engine.generate("a b", greedy())
+    assert device.oom_count == ooms + 1
+    engine.oom_probability, engine.hang_probability, engine.hang_s = 0.0, 1.0, 600.0
+    engine.embed(["a b"])
+    assert 600.0 in sleep.calls
+    assert device.allocated_bytes == WEIGHTS
