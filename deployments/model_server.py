@@ -101,9 +101,10 @@ class ModelServer:
         for i, n in enumerate(token_counts):
             self._check_tokens(n, self._max_input_tokens, f"input[{i}]", "input")
         admitted = await self._admit(len(token_counts), max(token_counts), 0)
-        embeddings = await self._run_leased(admitted, lambda: self._engine.embed(texts))
-        return EmbeddingResult(embeddings, sum(token_counts), _admitted(admitted),
-                               self._replica_id)
+        embeddings, thread_wait_s = await self._run_leased(
+            admitted, lambda: self._engine.embed(texts))
+        return EmbeddingResult(embeddings, sum(token_counts),
+                               _admitted(admitted, thread_wait_s), self._replica_id)
 
     async def complete(self, prompt: str, params: GenerationParams) -> CompletionResult:
         """Complete ``prompt`` once admitted; priced by prompt tokens + ``max_tokens``.
@@ -111,10 +112,10 @@ class ModelServer:
         Raises: as :meth:`embed`, with ``prompt`` / ``max_tokens`` as the offending fields.
         """
         admitted, prompt_tokens = await self._admit_prompt(prompt, params)
-        output = await self._run_leased(
+        output, thread_wait_s = await self._run_leased(
             admitted, lambda: self._engine.generate(prompt, params))
         return CompletionResult(output.text, output.finish_reason, prompt_tokens,
-                                output.completion_tokens, _admitted(admitted))
+                                output.completion_tokens, _admitted(admitted, thread_wait_s))
 
     async def complete_stream(self, prompt: str,
                               params: GenerationParams) -> AsyncIterator[dict[str, Any]]:
@@ -142,10 +143,11 @@ class ModelServer:
         except BaseException:
             self._gate.release(admitted.lease, ran=False)
             raise
-        future = self._start_leased(
+        future, job = self._start_leased(
             admitted, lambda: self._engine.generate(prompt, params, on_text))
-        deadline = loop.time() + self._args.admission.inference_timeout_s
         try:
+            await self._wait_started(future, job, admitted)
+            deadline = loop.time() + self._args.admission.inference_timeout_s
             while not future.done():
                 getter = asyncio.ensure_future(pieces.get())
                 done, _ = await asyncio.wait({getter, future}, timeout=deadline - loop.time(),
@@ -195,39 +197,74 @@ class ModelServer:
             raise InvalidRequestError(f"{what} has {tokens} tokens; the limit is {limit}",
                                       code=code)
 
-    def _start_leased(self, admission: Admission, work: Callable[[], Any]) -> asyncio.Future:
-        """Start ``work`` on the inference thread. The lease is released when the thread
-        returns, whatever happens to the caller meanwhile (timeout, cancellation)."""
+    def _start_leased(self, admission: Admission,
+                      work: Callable[[], Any]) -> tuple[asyncio.Future, _Job]:
+        """Queue ``work`` for the inference thread. The lease is released when the thread is
+        done with it, whatever happens to the caller meanwhile (timeout, cancellation); work
+        whose caller left before the thread reached it is skipped."""
         loop = asyncio.get_running_loop()
+        job = _Job(work, loop, self)
         try:
-            future = loop.run_in_executor(self._executor, _freeing_cache_on_oom(work))
+            future = loop.run_in_executor(self._executor, job)
         except BaseException:
             self._gate.release(admission.lease, ran=False)
             raise
         self._inferences_running += 1
-        self._running_since = time.monotonic()
 
         def finished(done: asyncio.Future) -> None:
             self._inferences_running -= 1
             self._running_since = None
-            self._gate.release(admission.lease)
+            self._gate.release(admission.lease, ran=job.started_at is not None)
             if not done.cancelled():
                 done.exception()  # retrieved here so an abandoned failure is not logged twice
 
         future.add_done_callback(finished)
-        return future
+        return future, job
 
-    async def _run_leased(self, admission: Admission, work: Callable[[], Any]) -> Any:
-        """:meth:`_start_leased`, then wait up to ``admission.inference_timeout_s``.
+    async def _wait_started(self, future: asyncio.Future, job: _Job,
+                            admission: Admission) -> float:
+        """Wait until the inference thread takes up ``job`` (it runs one job at a time);
+        return the seconds waited. This is queue wait too: with the wait for the lease it is
+        bounded by ``admission.max_queue_wait_s``.
+
+        Raises:
+            OverloadedError: ``queue_timeout`` (the job is abandoned, never run).
+            asyncio.CancelledError: the caller left (the job is abandoned, never run).
+        """
+        started = asyncio.ensure_future(job.started.wait())
+        waited_from = time.monotonic()
+        limit_s = max(0.0, self._args.admission.max_queue_wait_s - admission.queue_wait_s)
+        try:
+            done, _ = await asyncio.wait({future, started}, timeout=limit_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            job.abandoned = True
+            raise
+        finally:
+            started.cancel()
+        if not done:
+            job.abandoned = True
+            raise OverloadedError(
+                f"waited {self._args.admission.max_queue_wait_s:g} s for the inference thread "
+                "without starting", code="queue_timeout",
+                retry_after_s=self._gate.retry_after_s(admission.lease.nbytes))
+        return time.monotonic() - waited_from
+
+    async def _run_leased(self, admission: Admission,
+                          work: Callable[[], Any]) -> tuple[Any, float]:
+        """:meth:`_start_leased`; once the thread runs it, wait up to
+        ``admission.inference_timeout_s``. Returns the result and the seconds spent waiting
+        for the thread (part of the request's queue wait).
 
         Raises:
             InferenceTimeoutError: the thread is still running at the deadline (its lease
                 stays held until it returns).
         """
-        future = self._start_leased(admission, work)
+        future, job = self._start_leased(admission, work)
+        thread_wait_s = await self._wait_started(future, job, admission)
         try:
             async with asyncio.timeout(self._args.admission.inference_timeout_s):
-                return await asyncio.shield(future)
+                return await asyncio.shield(future), thread_wait_s
         except TimeoutError:
             raise self._timeout_error() from None
         except torch.OutOfMemoryError:
@@ -337,18 +374,31 @@ class ModelServer:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _freeing_cache_on_oom(work: Callable[[], Any]) -> Callable[[], Any]:
-    """``work``, but an out-of-memory error first returns PyTorch's cached blocks to the device
-    (``torch.cuda.empty_cache``), on the inference thread, before it propagates."""
-    def run() -> Any:
+class _Job:
+    """One request's work for the inference thread: says when the thread took it up, is
+    skipped if its caller left before that, and after an out-of-memory error returns PyTorch's
+    cached blocks to the device (``torch.cuda.empty_cache``) before the error propagates."""
+
+    def __init__(self, work: Callable[[], Any], loop: asyncio.AbstractEventLoop,
+                 server: ModelServer) -> None:
+        self._work, self._loop, self._server = work, loop, server
+        self.started = asyncio.Event()
+        self.started_at: float | None = None
+        self.abandoned = False
+
+    def __call__(self) -> Any:  # on the inference thread
+        if self.abandoned:
+            return None
+        self.started_at = self._server._running_since = time.monotonic()
+        self._loop.call_soon_threadsafe(self.started.set)
         try:
-            return work()
+            return self._work()
         except torch.OutOfMemoryError:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             raise
-    return run
 
 
-def _admitted(admission: Admission) -> Admitted:
-    return Admitted(admission.queue_wait_s, admission.queue_position)
+def _admitted(admission: Admission, thread_wait_s: float = 0.0) -> Admitted:
+    """Queue wait = waiting for the lease + waiting for the inference thread."""
+    return Admitted(admission.queue_wait_s + thread_wait_s, admission.queue_position)

@@ -1,7 +1,7 @@
 """The ``args:`` of every ``serve run`` config, validated by pydantic.
 
 Unknown or misplaced keys are rejected with a message naming them. Units are in the names.
-The knobs are documented in CONTRACT.md and the README's configuration table.
+The knobs are documented in the README's configuration table.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One typed error hierarchy for everything a client can be told.
 
 Every error that may reach a client is a :class:`ServeAppError` carrying the HTTP status, the
-OpenAI-style ``type`` and ``code`` of ``CONTRACT.md`` and, for 503s, ``retry_after_s``. The
+OpenAI-style ``type`` and ``code`` of the README's error table and, for 503s, ``retry_after_s``. The
 classes are plain picklable exceptions (no Ray, FastAPI or torch imports) so they cross Ray
 actor boundaries unchanged; the ingress maps them to HTTP responses in exactly one place
 (:func:`serve_app.http_errors.error_response`).
@@ -21,7 +21,7 @@ class ServeAppError(Exception):
     Attributes:
         status_code: HTTP status sent to the client.
         type: the OpenAI error ``type`` string.
-        code: the machine-readable ``code`` string (``None`` only where CONTRACT.md allows).
+        code: the machine-readable ``code`` string (``None`` only where the README's error table allows).
         message: human-readable, safe to show to clients.
         retry_after_s: for 503s, whole seconds the client should wait (>= 1), else ``None``.
         queue_position: requests that were ahead of this one when it was queued, if it was.

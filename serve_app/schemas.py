@@ -1,4 +1,4 @@
-"""Request and result types of the HTTP API (CONTRACT.md), validated by pydantic."""
+"""Request and result types of the HTTP API (README, "HTTP API"), validated by pydantic."""
 
 from __future__ import annotations
 
@@ -6,7 +6,24 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    field_validator,
+)
+
+
+def _check_encodable(text: str) -> str:
+    """JSON can carry lone UTF-16 surrogates (``"\\ud800"``) that are not text; refuse them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text must be valid Unicode (no lone surrogates)") from None
+    return text
 
 
 class EmbeddingRequest(BaseModel):
@@ -18,7 +35,7 @@ class EmbeddingRequest(BaseModel):
     input: StrictStr | list[StrictStr]
     model: StrictStr | None = None
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1)
+    dimensions: StrictInt | None = Field(None, ge=1)
     user: StrictStr | None = None
 
     @field_validator("input", mode="before")
@@ -31,6 +48,8 @@ class EmbeddingRequest(BaseModel):
             raise ValueError("input must contain at least one string")
         if any(not t for t in texts):
             raise ValueError("input strings must not be empty")
+        for text in texts:
+            _check_encodable(text)
         return value
 
     def texts(self) -> list[str]:
@@ -45,7 +64,7 @@ class Admitted:
     queue_position: int
 
     def headers(self) -> dict[str, str]:
-        """``X-Queue-Wait-Ms`` and ``X-Queue-Position`` (CONTRACT.md)."""
+        """``X-Queue-Wait-Ms`` and ``X-Queue-Position`` response headers."""
         return {"X-Queue-Wait-Ms": str(round(self.queue_wait_s * 1000)),
                 "X-Queue-Position": str(self.queue_position)}
 
@@ -77,13 +96,13 @@ class CompletionRequest(BaseModel):
 
     prompt: StrictStr = Field(min_length=1)
     model: StrictStr | None = None
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: StrictInt = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
-    seed: int | None = None
+    seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = Field(None)
     stream: StrictBool = False
-    n: int = Field(1, ge=1, le=1, description="Only one choice per request is supported.")
+    n: StrictInt = Field(1, ge=1, le=1, description="Only one choice per request is supported.")
     user: StrictStr | None = None
 
     @field_validator("stop")
@@ -91,7 +110,14 @@ class CompletionRequest(BaseModel):
     def _stop_list(cls, value: str | list[str] | None) -> str | list[str] | None:
         if isinstance(value, list) and len(value) > 4:
             raise ValueError("at most 4 stop sequences")
+        for text in [value] if isinstance(value, str) else value or []:
+            _check_encodable(text)
         return value
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_text(cls, value: str) -> str:
+        return _check_encodable(value)
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:

@@ -190,9 +190,11 @@ class AdmissionQueue:
         return evicted
 
     def timeout_retry_after_s(self, waiter: Waiter) -> int:
-        """``Retry-After`` for a waiter that timed out: the bytes that were ahead of it."""
-        ahead = sum(w.nbytes for w in self._waiters.values() if w.waiter_id < waiter.waiter_id)
-        return self._retry_after_s(ahead + waiter.nbytes - self.budget.free_bytes)
+        """``Retry-After`` for a waiter that timed out: the time for the whole queue (itself
+        included) to drain. Not just the bytes ahead of it: waiters time out in arrival order,
+        so the first to give up has nothing ahead, yet everyone behind it will retry too."""
+        own = 0 if waiter.waiter_id in self._waiters else waiter.nbytes
+        return self._retry_after_s(self._queued_bytes + own - self.budget.free_bytes)
 
     def pump(self) -> list[Waiter]:
         """Admit waiters from the head while the head fits. Returns those admitted."""

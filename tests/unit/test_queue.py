@@ -341,16 +341,18 @@ def test_submit_drops_expired_waiters_before_deciding(make_queue, clock) -> None
     queue.release(held.lease)
 
 
-def test_timeout_retry_after_counts_the_bytes_ahead_of_the_waiter(make_queue, clock) -> None:
+def test_timeout_retry_after_counts_the_whole_queue(make_queue, clock) -> None:
     queue = make_queue(max_queue_wait_s=30.0)
     clock.advance(10)
     queue.release(admitted(queue, 100).lease)  # 100 B in 10 s: 10 B/s
     held = admitted(queue, 90)
     a, b, c = queued(queue, 20), queued(queue, 30), queued(queue, 40)
-    # Ahead of c: 20 + 30; itself 40; free 10: (50 + 40 - 10) B at 10 B/s = 8 s.
-    assert queue.timeout_retry_after_s(c) == 8
-    assert queue.timeout_retry_after_s(a) == 1  # 20 - 10 = 10 B: 1 s
-    for waiter in (a, b, c):
+    # Queued 20 + 30 + 40, free 10: 80 B at 10 B/s = 8 s, for the head as for the tail: the
+    # head times out first, but everyone behind it will be retrying as well.
+    assert queue.timeout_retry_after_s(a) == queue.timeout_retry_after_s(c) == 8
+    queue.cancel(a)
+    assert queue.timeout_retry_after_s(a) == 8  # once withdrawn, its own bytes still count
+    for waiter in (b, c):
         queue.cancel(waiter)
     queue.release(held.lease)
 
