@@ -1,7 +1,7 @@
 """Latency of one short embeddings request: the bare model in-process vs served over HTTP,
 and /healthz while the model is busy. Loopback only; bounded; prints a table.
 
-    python benchmarks/latency.py [--requests 200]
+    python -m benchmarks.latency [--requests 200]
 """
 
 from __future__ import annotations
