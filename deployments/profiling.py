@@ -158,11 +158,8 @@ def largest_request(args: AppArgs, engine: Engine) -> tuple[int, int, int]:
 
 def _reusable_profile(args: AppArgs, probe: DeviceProbe, engine: Engine, model_path: str,
                       held_bytes: int) -> MemoryProfile | None:
-    if not args.memory.profile_path:
-        return None
     path = args.memory.profile_path
-    saved = load_profile(path)
-    if saved is None:
+    if (saved := load_profile(path)) is None:
         return None
     problems = []
     largest = largest_request(args, engine)

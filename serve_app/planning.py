@@ -221,11 +221,8 @@ def _profile_plan(args: AppArgs) -> DeploymentPlan | None:
     """:func:`plan_from_profile` of ``memory.profile_path``, or ``None`` when it is unset,
     unreadable, or made for another task, model or kind of device (``cpu`` / ``cuda``); the
     replica will profile again then."""
-    if not args.memory.profile_path:
-        return None
     path = args.memory.profile_path
-    profile = load_profile(path)
-    if profile is None:
+    if (profile := load_profile(path)) is None:
         return None
     model_path = "fake" if args.model.task == "fake" else str(args.model.resolved_path())
     wanted = (args.model.task, model_path, _device_kind(args))

@@ -159,8 +159,10 @@ class MemoryProfile:
 
 
 def load_profile(path: str | Path) -> MemoryProfile | None:
-    """The profile saved at ``path``, or ``None`` (with a warning saying why) if it cannot be
-    read: callers then measure again or fall back to the analytic estimate."""
+    """The profile saved at ``path``, or ``None`` when ``path`` is empty or (with a warning
+    saying why) cannot be read: callers then measure again or use the analytic estimate."""
+    if not str(path):
+        return None
     try:
         return MemoryProfile.load(Path(path).expanduser())
     except (OSError, ValueError, KeyError, TypeError) as exc:
