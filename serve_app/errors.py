@@ -21,7 +21,7 @@ class ServeAppError(Exception):
     Attributes:
         status_code: HTTP status sent to the client.
         type: the OpenAI error ``type`` string.
-        code: the machine-readable ``code`` string (``None`` only where the README's error table allows).
+        code: the machine-readable ``code`` string (see the README's error table).
         message: human-readable, safe to show to clients.
         retry_after_s: for 503s, whole seconds the client should wait (>= 1), else ``None``.
         queue_position: requests that were ahead of this one when it was queued, if it was.

@@ -16,43 +16,29 @@ import numpy as np
 import torch
 from transformers import AutoModel
 
-from deployments.engines.hf import load_pretrained
+from deployments.engines.hf import HFEngine
 from serve_app.memory.cost_model import DTYPE_BYTES, TransformerShape
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class EmbeddingEngine:
-    """A loaded encoder model and its tokenizer. Not thread-safe: call from one thread.
-
-    Args:
-        path: local model directory (``config.json``, weights, tokenizer files).
-        device: ``cpu`` or ``cuda`` (already resolved).
-        dtype: ``float32``, ``float16`` or ``bfloat16`` (already resolved).
-        num_threads: torch intra-op threads on CPU, or ``None`` to leave torch's default.
-
-    Raises:
-        OSError: the directory lacks model or tokenizer files.
-    """
-
-    path: Path
-    device: str = "cpu"
-    dtype: str = "float32"
-    num_threads: int | None = None
+class EmbeddingEngine(HFEngine):
+    """A loaded encoder model and its tokenizer (arguments: :class:`HFEngine`). ``embed`` and
+    ``profile_run`` must be called from one thread; ``count_tokens`` is thread-safe."""
 
     task = "embed"
+    auto_class = AutoModel
 
     def __post_init__(self) -> None:
-        self.tokenizer, self.model, config = load_pretrained(
-            AutoModel, self.path, self.device, self.dtype, self.num_threads)
-        self.shape = TransformerShape.from_hf_config(config, DTYPE_BYTES[self.dtype])
+        super().__post_init__()
+        self.shape = TransformerShape.from_hf_config(self.config, DTYPE_BYTES[self.dtype])
         self.max_seq_tokens = _max_seq_tokens(self.path, self.shape.max_positions)
         self.dimensions = self.shape.hidden_size
 
     def count_tokens(self, texts: list[str]) -> list[int]:
         """Tokens per text, special tokens included (what the model will see)."""
-        encoded = self.tokenizer(texts, add_special_tokens=True, truncation=False,
+        encoded = self.tokenize(texts, add_special_tokens=True, truncation=False,
                                  verbose=False)
         return [len(ids) for ids in encoded["input_ids"]]
 
@@ -62,7 +48,7 @@ class EmbeddingEngine:
         Returns:
             float32 array of shape ``(len(texts), dimensions)``, each row of unit L2 norm.
         """
-        batch = self.tokenizer(texts, padding=True, truncation=True,
+        batch = self.tokenize(texts, padding=True, truncation=True,
                                max_length=self.max_seq_tokens, return_tensors="pt")
         return self._forward(dict(batch))
 

@@ -8,16 +8,14 @@ logic), so the replica can stream it and can stop generation when the client goe
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, StoppingCriteria, TextStreamer
 
 from deployments.engines.base import GenerationOutput, GenerationParams
-from deployments.engines.hf import load_pretrained
+from deployments.engines.hf import HFEngine
 from serve_app.memory.cost_model import DTYPE_BYTES, TransformerShape
 
 logger = logging.getLogger(__name__)
@@ -88,31 +86,16 @@ class _StopWhen(StoppingCriteria):
 
 
 @dataclass
-class GenerationEngine:
-    """A loaded causal LM and its tokenizer. ``generate`` and ``profile_run`` must be called
-    from one thread; ``count_tokens`` is thread-safe.
-
-    Args:
-        path: local model directory (``config.json``, weights, tokenizer files).
-        device: ``cpu`` or ``cuda`` (already resolved).
-        dtype: ``float32``, ``float16`` or ``bfloat16`` (already resolved).
-        num_threads: torch intra-op threads on CPU, or ``None`` for torch's default.
-
-    Raises:
-        OSError: the directory lacks model or tokenizer files.
-    """
-
-    path: Path
-    device: str = "cpu"
-    dtype: str = "float32"
-    num_threads: int | None = None
+class GenerationEngine(HFEngine):
+    """A loaded causal LM and its tokenizer (arguments: :class:`HFEngine`). ``generate`` and
+    ``profile_run`` must be called from one thread; ``count_tokens`` is thread-safe."""
 
     task = "generate"
+    auto_class = AutoModelForCausalLM
 
     def __post_init__(self) -> None:
-        self.tokenizer, self.model, config = load_pretrained(
-            AutoModelForCausalLM, self.path, self.device, self.dtype, self.num_threads)
-        self._tokenizer_lock = threading.Lock()
+        super().__post_init__()
+        config = self.config
         self.shape = TransformerShape.from_hf_config(
             {**config, "architectures": config.get("architectures") or ["CausalLM"]},
             DTYPE_BYTES[self.dtype])
@@ -122,8 +105,7 @@ class GenerationEngine:
 
     def count_tokens(self, texts: list[str]) -> list[int]:
         """Prompt tokens per text, as ``generate`` will see them."""
-        with self._tokenizer_lock:  # a tokenizer is not safe to share across threads
-            encoded = self.tokenizer(texts, verbose=False)
+        encoded = self.tokenize(texts, verbose=False)
         return [len(ids) for ids in encoded["input_ids"]]
 
     def profile_run(self, batch: int, prompt_tokens: int, new_tokens: int = 0) -> None:
@@ -140,8 +122,7 @@ class GenerationEngine:
         ``finish_reason``: ``stop`` (a stop string or the end-of-sequence token), ``length``
         (``max_tokens`` reached) or ``cancelled`` (``on_text`` returned ``False``).
         """
-        with self._tokenizer_lock:
-            inputs = self.tokenizer(prompt, return_tensors="pt")
+        inputs = self.tokenize(prompt, return_tensors="pt")
         prompt_tokens = int(inputs["input_ids"].shape[1])
         stop = _StopStrings(params.stop)
         streamer = _Streamer(self.tokenizer, stop, on_text)

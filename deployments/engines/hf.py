@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from transformers import AutoTokenizer
@@ -47,3 +49,37 @@ def load_pretrained(auto_class: Any, path: Path, device: str, dtype: str,
     model = auto_class.from_pretrained(str(path), dtype=getattr(torch, dtype))
     model.to(device).eval()
     return tokenizer, model, json.loads((Path(path) / "config.json").read_text())
+
+
+@dataclass
+class HFEngine:
+    """A loaded Hugging Face model directory; the engines build on it.
+
+    Args:
+        path: local model directory (``config.json``, weights, tokenizer files).
+        device: ``cpu`` or ``cuda`` (already resolved).
+        dtype: ``float32``, ``float16`` or ``bfloat16`` (already resolved).
+        num_threads: torch intra-op threads on CPU, or ``None`` to leave torch's default.
+
+    Raises:
+        OSError: the directory lacks model or tokenizer files.
+    """
+
+    path: Path
+    device: str = "cpu"
+    dtype: str = "float32"
+    num_threads: int | None = None
+
+    auto_class: ClassVar[Any]
+
+    def __post_init__(self) -> None:
+        self.tokenizer, self.model, self.config = load_pretrained(
+            self.auto_class, self.path, self.device, self.dtype, self.num_threads)
+        self._tokenizer_lock = threading.Lock()
+
+    def tokenize(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the tokenizer under a lock: ``count_tokens`` runs on a helper thread while the
+        inference thread tokenizes too, and a fast tokenizer changes its padding and
+        truncation state per call ("Already borrowed" when shared unguarded)."""
+        with self._tokenizer_lock:
+            return self.tokenizer(*args, **kwargs)
