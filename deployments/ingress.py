@@ -8,12 +8,13 @@ echoes it on every response; the ingress reads it from the request for its logs.
 
 # No `from __future__ import annotations` here: FastAPI reads the route signatures at run time.
 import base64
+import hashlib
 import hmac
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -30,12 +31,14 @@ from serve_app.config import parse_args
 from serve_app.errors import (
     AuthenticationError,
     BodyTooLargeError,
+    IdempotencyKeyReusedError,
     InvalidRequestError,
     ModelNotFoundError,
     OverloadedError,
     ServeAppError,
 )
 from serve_app.http_errors import as_serve_app_error, error_response, install_error_handlers
+from serve_app.idempotency import StoredResponse
 from serve_app.schemas import (
     CompletionRequest,
     CompletionResult,
@@ -100,13 +103,15 @@ class Ingress:
         raw_args: the config's ``args:`` (validated again here).
         model: handle to the :class:`deployments.model_server.ModelServer` deployment.
         registry: handle to :class:`deployments.registry.ReplicaRegistry`.
+        idempotency: handle to :class:`deployments.idempotency.IdempotencyStore`.
     """
 
     def __init__(self, raw_args: dict[str, Any], model: DeploymentHandle,
-                 registry: DeploymentHandle) -> None:
+                 registry: DeploymentHandle, idempotency: DeploymentHandle) -> None:
         self._args = parse_args(raw_args)
         self._model = model
         self._registry = registry
+        self._idempotency = idempotency
         self._created = int(time.time())
         self._api_key = self._args.auth.resolved_key().encode()
         self._statuses: list[dict[str, Any]] = []
@@ -129,8 +134,11 @@ class Ingress:
         app.get("/readyz")(self.readyz)
         return app
 
-    async def embeddings(self, body: EmbeddingRequest) -> JSONResponse:
+    async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
         """``POST /v1/embeddings`` (OpenAI-compatible)."""
+        return await self._idempotent(request, body, lambda: self._embeddings(body))
+
+    async def _embeddings(self, body: EmbeddingRequest) -> JSONResponse:
         self._check_model(body.model)
         texts = body.texts()
         if len(texts) > self._args.limits.max_inputs:
@@ -160,7 +168,15 @@ class Ingress:
         completion_id = f"cmpl-{request.headers.get('x-request-id', uuid.uuid4().hex)}"
         created = int(time.time())
         if body.stream:
+            if request.headers.get("idempotency-key") is not None:
+                raise InvalidRequestError("Idempotency-Key is not supported with stream: true",
+                                          code="idempotency_key")
             return await self._stream_completion(body.prompt, params, completion_id, created)
+        return await self._idempotent(
+            request, body, lambda: self._completion(body, params, completion_id, created))
+
+    async def _completion(self, body: CompletionRequest, params: GenerationParams,
+                          completion_id: str, created: int) -> JSONResponse:
         result: CompletionResult = await self._call_model(self._model.complete, body.prompt,
                                                           params)
         return JSONResponse({
@@ -225,6 +241,52 @@ class Ingress:
                 "no model replica has loaded and measured its model yet", code="no_replicas",
                 retry_after_s=1))
         return JSONResponse({"status": "ready", "replicas": len(replicas)})
+
+    async def _idempotent(self, request: Request, body: Any,
+                          run: Callable[[], Awaitable[JSONResponse]]) -> Response:
+        """Run ``run`` once per ``Idempotency-Key`` cluster-wide: concurrent duplicates wait
+        for the first one's outcome, later ones within ``idempotency.ttl_s`` replay it (with
+        ``Idempotent-Replayed: true``), the same key with another body gets 422. A 503 is not
+        recorded, so a retry runs again."""
+        key = request.headers.get("idempotency-key")
+        if key is None:
+            return await run()
+        if not 1 <= len(key) <= 255 or not all(33 <= ord(c) <= 126 for c in key):
+            raise InvalidRequestError("Idempotency-Key must be 1-255 visible ASCII characters",
+                                      code="idempotency_key")
+        digest = hashlib.sha256(
+            f"{request.url.path}\n{body.model_dump_json()}".encode()).hexdigest()
+        for _ in range(2):  # a second round if the first runner gave up (transient failure)
+            action, stored = await self._call_model(self._idempotency.begin, key, digest)
+            if action == "mismatch":
+                raise IdempotencyKeyReusedError(
+                    "this Idempotency-Key was used with a different request body")
+            if action == "wait":
+                limits = self._args.admission
+                stored = await self._call_model(
+                    self._idempotency.wait, key,
+                    limits.max_queue_wait_s + limits.inference_timeout_s + 5)
+            if stored is not None:
+                return _replay(stored)
+            if action == "run":
+                return await self._run_and_record(key, run)
+        raise OverloadedError("a request with this Idempotency-Key is still running",
+                              code="queue_timeout", retry_after_s=1)
+
+    async def _run_and_record(self, key: str,
+                              run: Callable[[], Awaitable[JSONResponse]]) -> JSONResponse:
+        try:
+            response = await run()
+        except Exception as exc:
+            err = as_serve_app_error(exc)
+            if err.status_code >= 500:  # transient or a bug: do not pin it on the key
+                await self._call_model(self._idempotency.abort, key)
+            else:
+                rendered = error_response(err)
+                await self._call_model(self._idempotency.finish, key, _stored(rendered))
+            raise err from None
+        await self._call_model(self._idempotency.finish, key, _stored(response))
+        return response
 
     async def _call_model(self, method: Any, *args: Any) -> Any:
         """Call ``method`` (a handle method, or any coroutine function); any failure leaves as
@@ -292,6 +354,17 @@ def _fit_dimensions(embeddings: np.ndarray, dimensions: int | None) -> np.ndarra
             code="dimensions")
     cut = embeddings[:, :dimensions]
     return cut / np.maximum(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12)
+
+
+def _stored(response: JSONResponse) -> StoredResponse:
+    headers = {k: v for k, v in response.headers.items()
+               if k.lower() not in ("content-length", "content-type")}
+    return StoredResponse(response.status_code, headers, json.loads(response.body))
+
+
+def _replay(stored: StoredResponse) -> JSONResponse:
+    return JSONResponse(stored.body, status_code=stored.status_code,
+                        headers={**stored.headers, "Idempotent-Replayed": "true"})
 
 
 def _sse(payload: dict[str, Any]) -> str:

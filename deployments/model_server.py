@@ -83,6 +83,7 @@ class ModelServer:
         self._node_id = runtime.get_node_id()
         self._gpu_ids = [str(i) for i in runtime.get_accelerator_ids().get("GPU", [])]
         self._inferences_running = 0
+        self._inferences_total = 0  # inferences the thread ran (abandoned work not counted)
         self._registry = registry
         self._publisher = loop.create_task(self._publish_forever()) if registry else None
         logger.info("model replica ready: %s", self._memory)
@@ -215,6 +216,7 @@ class ModelServer:
             self._inferences_running -= 1
             self._running_since = None
             self._gate.release(admission.lease, ran=job.started_at is not None)
+            self._inferences_total += job.started_at is not None
             if not done.cancelled():
                 done.exception()  # retrieved here so an abandoned failure is not logged twice
 
@@ -349,6 +351,7 @@ class ModelServer:
             "charged_bytes_total": budget.charged_bytes_total,
             "released_bytes_total": budget.released_bytes_total,
             "inferences_running": self._inferences_running,
+            "inferences_total": self._inferences_total,
             "drain_bytes_per_s": queue.drain.bytes_per_s(),
             "budget_bytes": budget.budget_bytes if self._aimd else self._memory["budget_bytes"],
             "measured_budget_bytes": self._memory["budget_bytes"],

@@ -7,6 +7,7 @@ from typing import Any
 
 from ray.serve import Application
 
+from deployments.idempotency import IdempotencyStore
 from deployments.ingress import Ingress
 from deployments.model_server import ModelServer
 from deployments.registry import ReplicaRegistry
@@ -35,6 +36,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     raw = cfg.model_dump(mode="json")
     dep = cfg.deployment
     registry = ReplicaRegistry.bind()
+    idempotency = IdempotencyStore.bind(cfg.idempotency.ttl_s, cfg.idempotency.max_entries)
     model = ModelServer.options(
         num_replicas=dep.num_replicas,
         max_ongoing_requests=plan.max_ongoing_requests,
@@ -49,4 +51,4 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     return Ingress.options(
         num_replicas=dep.ingress_replicas,
         max_ongoing_requests=dep.ingress_max_ongoing_requests,
-    ).bind(raw, model, registry)
+    ).bind(raw, model, registry, idempotency)

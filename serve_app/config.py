@@ -144,6 +144,13 @@ class AuthConfig(_Section):
         return self.api_key or os.environ.get(self.api_key_env, "")
 
 
+class IdempotencyConfig(_Section):
+    ttl_s: float = Field(
+        600.0, gt=0, allow_inf_nan=False, description="How long a finished keyed result is "
+        "replayed to requests with the same Idempotency-Key.")
+    max_entries: int = Field(10_000, ge=1, description="Most keys remembered at once.")
+
+
 class FakeConfig(_Section):
     """The model-free engine of ``model.task: fake`` on a simulated device: exact, known
     memory and time costs for tests, load tests and demos on machines without a GPU."""
@@ -182,6 +189,7 @@ class AppArgs(_Section):
     deployment: DeploymentConfig = DeploymentConfig()
     fake: FakeConfig = FakeConfig()
     auth: AuthConfig = AuthConfig()
+    idempotency: IdempotencyConfig = IdempotencyConfig()
 
     @model_validator(mode="after")
     def _check_task(self) -> AppArgs:

@@ -98,6 +98,14 @@ class BodyTooLargeError(ServeAppError):
     default_code = "body_too_large"
 
 
+class IdempotencyKeyReusedError(ServeAppError):
+    """422 ``idempotency_key_reused``: the same Idempotency-Key came with a different body."""
+
+    status_code = 422
+    type = "invalid_request_error"
+    default_code = "idempotency_key_reused"
+
+
 class OverloadedError(ServeAppError):
     """503: a transient capacity refusal, always with ``retry_after_s`` >= 1.
 
