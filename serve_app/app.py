@@ -47,6 +47,10 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         # A replica that cannot hold the largest allowed request fails the same way every
         # time: give up after a few tries instead of Ray's default 20 restarts.
         max_constructor_retry_count=MODEL_CONSTRUCTOR_RETRIES,
+        # A replica being removed gets no new requests from Ray; what it holds (running and
+        # queued) finishes or times out within this, so nothing is cut off mid-inference.
+        graceful_shutdown_timeout_s=(cfg.admission.max_queue_wait_s
+                                     + cfg.admission.inference_timeout_s + 5),
     ).bind(raw, registry)
     return Ingress.options(
         num_replicas=dep.ingress_replicas,
