@@ -145,7 +145,7 @@ class Ingress:
             raise InvalidRequestError(
                 f"{len(texts)} inputs; the limit is {self._args.limits.max_inputs}",
                 code="input")
-        result: EmbeddingResult = await self._call_model(self._model.embed, texts)
+        result: EmbeddingResult = await self._call_deployment(self._model.embed, texts)
         vectors = _fit_dimensions(result.embeddings, body.dimensions)
         data = [{"object": "embedding", "index": i,
                  "embedding": _encode(vector, body.encoding_format)}
@@ -177,7 +177,7 @@ class Ingress:
 
     async def _completion(self, body: CompletionRequest, params: GenerationParams,
                           completion_id: str, created: int) -> JSONResponse:
-        result: CompletionResult = await self._call_model(self._model.complete, body.prompt,
+        result: CompletionResult = await self._call_deployment(self._model.complete, body.prompt,
                                                           params)
         return JSONResponse({
             "id": completion_id, "object": "text_completion", "created": created,
@@ -194,7 +194,7 @@ class Ingress:
         """Admission errors come before the first byte, as ordinary HTTP errors; anything
         after it goes in-band as a final ``data: {"error": ...}`` event, then ``[DONE]``."""
         stream = self._model.options(stream=True).complete_stream.remote(prompt, params)
-        first = await self._call_model(lambda: stream.__anext__())
+        first = await self._call_deployment(lambda: stream.__anext__())
 
         def chunk(text: str, finish_reason: str | None) -> str:
             return _sse({"id": completion_id, "object": "text_completion", "created": created,
@@ -257,13 +257,13 @@ class Ingress:
         digest = hashlib.sha256(
             f"{request.url.path}\n{body.model_dump_json()}".encode()).hexdigest()
         for _ in range(2):  # a second round if the first runner gave up (transient failure)
-            action, stored = await self._call_model(self._idempotency.begin, key, digest)
+            action, stored = await self._call_deployment(self._idempotency.begin, key, digest)
             if action == "mismatch":
                 raise IdempotencyKeyReusedError(
                     "this Idempotency-Key was used with a different request body")
             if action == "wait":
                 limits = self._args.admission
-                stored = await self._call_model(
+                stored = await self._call_deployment(
                     self._idempotency.wait, key,
                     limits.max_queue_wait_s + limits.inference_timeout_s + 5)
             if stored is not None:
@@ -280,18 +280,18 @@ class Ingress:
         except Exception as exc:
             err = as_serve_app_error(exc)
             if err.status_code >= 500:  # transient or a bug: do not pin it on the key
-                await self._call_model(self._idempotency.abort, key)
+                await self._call_deployment(self._idempotency.abort, key)
             else:
                 rendered = error_response(err)
-                await self._call_model(self._idempotency.finish, key, _stored(rendered))
+                await self._call_deployment(self._idempotency.finish, key, _stored(rendered))
             raise err from None
-        await self._call_model(self._idempotency.finish, key, _stored(response))
+        await self._call_deployment(self._idempotency.finish, key, _stored(response))
         return response
 
-    async def _call_model(self, method: Any, *args: Any) -> Any:
-        """Call ``method`` (a handle method, or any coroutine function); any failure leaves as
-        a typed error (Ray's back-pressure and unavailability included), so FastAPI's
-        handlers render it."""
+    async def _call_deployment(self, method: Any, *args: Any) -> Any:
+        """Call ``method`` (a deployment handle's method, or any coroutine function); any
+        failure leaves as a typed error (Ray's back-pressure and unavailability included), so
+        FastAPI's handlers render it."""
         try:
             call = method.remote(*args) if hasattr(method, "remote") else method(*args)
             return await call

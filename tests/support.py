@@ -114,3 +114,17 @@ def build_tiny_causal_lm(path: Path, num_layers: int = 2, max_positions: int = 5
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(str(path))
     return path
+
+
+MiB = 1 << 20
+
+
+def fake_app_args(**sections: dict) -> dict:
+    """``args:`` of an app on the fake engine (``model.task: fake``, no latency unless given),
+    with each keyword a config section merged over that base, e.g.
+    ``fake_app_args(fake={"bytes_per_token": MiB}, admission={"max_queue_len": 3})``."""
+    base: dict = {"model": {"task": "fake", "name": "fake"},
+                  "fake": {"latency_per_token_s": 0.0}}
+    for name, values in sections.items():
+        base[name] = {**base.get(name, {}), **values}
+    return base

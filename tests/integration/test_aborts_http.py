@@ -9,17 +9,17 @@ import random
 import httpx
 import pytest
 
-MiB = 1 << 20
+from tests.support import MiB, fake_app_args
 
 
 @pytest.fixture(scope="module")
 def app(deploy):
     # 10 ms per token, 1 MiB per token, a budget for about three requests at once.
-    return deploy({"model": {"task": "fake", "name": "fake"},
-                   "fake": {"latency_per_token_s": 0.01, "bytes_per_token": MiB},
-                   "memory": {"budget_bytes": 64 * MiB},
-                   "limits": {"max_inputs": 1, "max_input_tokens": 32, "max_tokens": 16},
-                   "admission": {"max_queue_len": 64, "max_queue_wait_s": 5}})
+    return deploy(fake_app_args(
+        fake={"latency_per_token_s": 0.01, "bytes_per_token": MiB},
+        memory={"budget_bytes": 64 * MiB},
+        limits={"max_inputs": 1, "max_input_tokens": 32, "max_tokens": 16},
+        admission={"max_queue_len": 64, "max_queue_wait_s": 5}))
 
 
 async def test_a_thousand_random_aborts_leave_nothing_behind(app):

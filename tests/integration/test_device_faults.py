@@ -7,6 +7,8 @@ import time
 
 import httpx
 
+from tests.support import fake_app_args
+
 
 def _replica_ids(base_url: str) -> set[str]:
     return {r["replica_id"] for r in httpx.get(f"{base_url}/v1/status").json()["replicas"]}
@@ -23,11 +25,9 @@ def _wait_for_a_new_replica(base_url: str, old: set[str], timeout_s: float = 90)
 
 
 def fake_args(admission: dict | None = None, **fake) -> dict:
-    return {"model": {"task": "fake", "name": "fake"},
-            "fake": {"latency_per_token_s": 0.0, **fake},
-            "limits": {"max_inputs": 1, "max_input_tokens": 16, "max_tokens": 4},
-            "admission": admission or {},
-            "deployment": {"health_check_period_s": 1, "health_check_timeout_s": 5}}
+    return fake_app_args(fake=fake, admission=admission or {},
+                         limits={"max_inputs": 1, "max_input_tokens": 16, "max_tokens": 4},
+                         deployment={"health_check_period_s": 1, "health_check_timeout_s": 5})
 
 
 def test_a_device_fault_is_503_and_the_replica_is_replaced(deploy):

@@ -12,17 +12,17 @@ import time
 import httpx
 import pytest
 
-MiB = 1 << 20
+from tests.support import MiB, fake_app_args
 
 
 @pytest.fixture(scope="module")
 def app(deploy):
     # Each request: 22 tokens = 22 MiB and 0.22 s; the budget runs one at a time; 3 may wait.
-    return deploy({"model": {"task": "fake", "name": "fake"},
-                   "fake": {"latency_per_token_s": 0.01, "bytes_per_token": MiB},
-                   "memory": {"budget_bytes": 40 * MiB},
-                   "limits": {"max_inputs": 1, "max_input_tokens": 32, "max_tokens": 8},
-                   "admission": {"max_queue_len": 3, "max_queue_wait_s": 10}})
+    return deploy(fake_app_args(
+        fake={"latency_per_token_s": 0.01, "bytes_per_token": MiB},
+        memory={"budget_bytes": 40 * MiB},
+        limits={"max_inputs": 1, "max_input_tokens": 32, "max_tokens": 8},
+        admission={"max_queue_len": 3, "max_queue_wait_s": 10}))
 
 
 async def test_retry_after_error_against_the_actual_drain(app):
