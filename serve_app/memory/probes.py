@@ -19,6 +19,9 @@ class DeviceProbe(Protocol):
 
     device: str
     method: str
+    #: How many times the profiler measures each shape (it keeps the median): 1 where peaks
+    #: are exact, more where they are noisy.
+    repeats: int
 
     def capacity_bytes(self) -> int:
         """The replica's share of the device, bytes."""
@@ -53,7 +56,13 @@ class HostMemoryProbe:
     pages cached by glibc from an earlier run do not hide this run's growth. Where
     ``/proc/self/clear_refs`` cannot be written, the probe says so in ``method`` and the peak
     is the high-water mark since process start (an over-estimate).
+
+    These peaks are noisy: the same shape measured 8 times in a row on the 2-core dev machine
+    read 1.7-3.6 MiB (batch 2 x 32 tokens, MiniLM) and 18-26 MiB (8 x 96), as glibc arenas
+    and oneDNN's per-shape caches come and go. Hence :attr:`repeats` = 3 and the median.
     """
+
+    repeats = 3
 
     def __init__(self, capacity_override_bytes: int | None = None,
                  host_fraction: float = 0.5) -> None:
@@ -104,6 +113,7 @@ class CudaMemoryProbe:
     (https://pytorch.org/docs/stable/notes/cuda.html#memory-management).
     """
 
+    repeats = 1  # the caching allocator's counters are exact byte counts
     method = "torch.cuda: capacity mem_get_info x share; use memory_reserved; peaks " \
              "max_memory_reserved"
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -30,11 +31,12 @@ logger = logging.getLogger(__name__)
 Shape = tuple[int, int, int]  # (batch, prompt_tokens, new_tokens)
 PROFILE_VERSION = 1
 
-# Documented accuracy on CPU (host RSS high-water marks), checked by
-# tests/unit/test_profiler_models.py. Measured on the 2-core dev machine over 10 runs each:
-# all-MiniLM-L6-v2 (16 inputs x 128 tokens max) held-out errors 4-27 %; a 4-layer,
-# 256-wide Llama (256-token prompts, 128 new tokens) 6-20 %. RSS pages and glibc arenas make
-# small peaks noisy, hence the margin.
+# Documented accuracy on CPU (host RSS high-water marks, median of 3 runs per shape), checked
+# by tests/unit/test_profiler_models.py. Measured on the 2-core dev machine, one fresh process
+# per run: all-MiniLM-L6-v2 (16 inputs x 128 tokens max) held-out errors 3.6-8.4 % over 6 runs;
+# a 4-layer, 256-wide Llama (256-token prompts, 128 new tokens) 1.1-17.4 % over 4 runs. With
+# one run per shape they were 4-46 % (a CI run read 1.5 MiB for a 2 x 32 point that repeats
+# put at 1.7-3.6 MiB), hence the repeats and the margin.
 CPU_FIT_ERROR_BOUND = 0.35
 # The analytic estimate (config.json only) stays within this factor of the measured peaks
 # (1 MiB floor): measured 0.60-1.91 x on the same runs.
@@ -67,7 +69,8 @@ def _volume(shape: Shape) -> int:
 
 @dataclass(frozen=True)
 class ProfilePoint:
-    """One measured inference: its shape, measured peak, and what the models predict."""
+    """One measured shape: its peak (median over the probe's repeats, bytes above the
+    baseline), how far the repeats spread (max - min, bytes), and what the models predict."""
 
     batch: int
     prompt_tokens: int
@@ -76,6 +79,7 @@ class ProfilePoint:
     predicted_bytes: int
     analytic_bytes: int
     held_out: bool
+    spread_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -148,14 +152,15 @@ class MemoryProfile:
     def table(self) -> str:
         """A plain-text table of the measurements (MiB), for the CLI and the logs."""
         header = (f"{'batch':>5} {'prompt':>6} {'new':>4} {'measured':>9} {'fitted':>9} "
-                  f"{'error':>6} {'analytic':>9}  set")
+                  f"{'error':>6} {'analytic':>9} {'spread':>7}  set")
         rows = [header]
         for p in self.points:
             rows.append(
                 f"{p.batch:>5} {p.prompt_tokens:>6} {p.new_tokens:>4} "
                 f"{p.measured_bytes / 2**20:>9.1f} {p.predicted_bytes / 2**20:>9.1f} "
                 f"{relative_error(p.predicted_bytes, p.measured_bytes):>6.1%} "
-                f"{p.analytic_bytes / 2**20:>9.1f}  {'held-out' if p.held_out else 'fit'}")
+                f"{p.analytic_bytes / 2**20:>9.1f} {p.spread_bytes / 2**20:>7.1f}  "
+                f"{'held-out' if p.held_out else 'fit'}")
         return "\n".join(rows)
 
 
@@ -173,18 +178,26 @@ def load_profile(path: str | Path) -> MemoryProfile | None:
 
 def measure_peaks(run: Callable[[int, int, int], Any], probe: DeviceProbe,
                   shapes: list[Shape], on_progress: Callable[[str], None] = logger.info,
-                  ) -> list[int]:
-    """Run each shape once and return its peak bytes above the pre-run baseline."""
-    peaks = []
+                  ) -> list[tuple[int, int]]:
+    """Run each shape ``probe.repeats`` times; return ``(median, max - min)`` of its peak
+    bytes above the pre-run baseline, per shape. The median, because a noisy probe's single
+    readings stray both ways (see :class:`~serve_app.memory.probes.HostMemoryProbe`)."""
+    results = []
     for i, shape in enumerate(shapes, 1):
-        baseline = probe.start_peak()
         started = time.monotonic()
-        run(*shape)
-        peaks.append(max(0, probe.peak_bytes() - baseline))
+        readings = []
+        for _ in range(max(1, probe.repeats)):
+            baseline = probe.start_peak()
+            run(*shape)
+            readings.append(max(0, probe.peak_bytes() - baseline))
+        median = int(statistics.median_low(readings))
+        results.append((median, max(readings) - min(readings)))
+        spread = (f" (spread {results[-1][1] / 2**20:.1f} MiB over {len(readings)} runs)"
+                  if len(readings) > 1 else "")
         on_progress(f"profiled {i}/{len(shapes)}: batch={shape[0]} prompt={shape[1]} "
-                    f"new={shape[2]} peak={peaks[-1] / 2**20:.1f} MiB "
+                    f"new={shape[2]} peak={median / 2**20:.1f} MiB{spread} "
                     f"({time.monotonic() - started:.2f} s)")
-    return peaks
+    return results
 
 
 def profile_memory(run: Callable[[int, int, int], Any], probe: DeviceProbe,
@@ -202,7 +215,8 @@ def profile_memory(run: Callable[[int, int, int], Any], probe: DeviceProbe,
     started = time.monotonic()
     train, held_out = profile_ladder(max_batch, max_prompt_tokens, max_new_tokens)
     run(*train[0])
-    peaks = measure_peaks(run, probe, train + held_out, on_progress)
+    measured = measure_peaks(run, probe, train + held_out, on_progress)
+    peaks = [median for median, _ in measured]
     train_peaks, held_peaks = peaks[:len(train)], peaks[len(train):]
     if not any(peaks):
         raise ValueError(f"every measured peak was 0 bytes with {probe.method}")
@@ -216,10 +230,11 @@ def profile_memory(run: Callable[[int, int, int], Any], probe: DeviceProbe,
     fitted = FittedCostModel(fitted.features, fitted.coefficients,
                              max(errors) if errors else float("nan"))
     points = tuple(
-        ProfilePoint(*shape, measured_bytes=measured,
-                     predicted_bytes=fitted.request_bytes(*shape),
-                     analytic_bytes=analytic.request_bytes(*shape), held_out=i >= len(train))
-        for i, (shape, measured) in enumerate(zip(train + held_out, peaks, strict=True)))
+        ProfilePoint(*shape, measured_bytes=median, predicted_bytes=fitted.request_bytes(*shape),
+                     analytic_bytes=analytic.request_bytes(*shape), held_out=i >= len(train),
+                     spread_bytes=spread)
+        for i, (shape, (median, spread)) in enumerate(zip(train + held_out, measured,
+                                                          strict=True)))
     return MemoryProfile(device=probe.device, method=probe.method, task=task,
                          model_path=model_path, capacity_bytes=probe.capacity_bytes(),
                          held_bytes=held_bytes, cost_model=fitted, points=points,

@@ -185,6 +185,7 @@ class SimulatedDeviceProbe:
     """
 
     method = "simulated device: allocations counted exactly"
+    repeats = 1
 
     def __init__(self, device: SimulatedDevice, share: float = 1.0) -> None:
         if not 0.0 < share <= 1.0:

@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 
+from serve_app.memory.profiler import measure_peaks
 from serve_app.memory.simulated import GIB, MIB, SimulatedDevice, SimulatedDeviceProbe
 
 
@@ -144,3 +145,17 @@ def test_concurrent_allocate_and_free_keep_the_counter_exact() -> None:
         for allocation in allocations:
             allocation.free()
     assert device.allocated_bytes == 0
+
+
+def test_a_noisy_probe_is_read_several_times_and_the_median_kept() -> None:
+    device = SimulatedDevice(GIB)
+    probe = SimulatedDeviceProbe(device)
+    probe.repeats = 3  # as a noisy probe declares (host RSS)
+    readings = iter([5 * MIB, 1 * MIB, 3 * MIB, 2 * MIB, 2 * MIB, 2 * MIB])
+
+    def run(batch: int, prompt_tokens: int, new_tokens: int) -> None:
+        with device.allocate(next(readings)):
+            pass
+
+    assert measure_peaks(run, probe, [(1, 8, 0), (2, 8, 0)], on_progress=lambda _: None) == [
+        (3 * MIB, 4 * MIB), (2 * MIB, 0)]
