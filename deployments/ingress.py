@@ -41,14 +41,82 @@ from serve_app.http_errors import as_serve_app_error, error_response, install_er
 from serve_app.idempotency import StoredResponse
 from serve_app.schemas import (
     CompletionRequest,
+    CompletionResponse,
     CompletionResult,
     EmbeddingRequest,
+    EmbeddingResponse,
     EmbeddingResult,
+    ErrorResponse,
+    HealthResponse,
+    ModelList,
+    ReadyResponse,
+    StatusResponse,
 )
 
 logger = logging.getLogger("ray.serve")
 
 STATUS_CACHE_S = 0.5
+
+# --- OpenAPI declarations (documentation only: the routes render their responses themselves,
+# so these describe CONTRACT.md; tests/integration/test_openapi_fuzz.py holds the server to them)
+
+_ERROR_MEANINGS = {
+    400: "Invalid request (malformed JSON, failed validation, `request_too_large`).",
+    401: "Missing or wrong API key (only when one is configured).",
+    404: "Unknown model or route for this deployment (`model_not_found`).",
+    413: "Body larger than `limits.max_body_bytes` (`body_too_large`).",
+    422: "Idempotency-Key reused with a different body (`idempotency_key_reused`).",
+    503: "Transient capacity refusal (`queue_full`, `queue_timeout`, `oom`, `no_replicas`, "
+         "`draining`); retry after `Retry-After` seconds.",
+    504: "Inference ran longer than `admission.inference_timeout_s` (`inference_timeout`).",
+}
+_INFERENCE_ERRORS = (400, 401, 404, 413, 422, 503, 504)
+
+
+def _header(description: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"description": description, "required": True, "schema": schema}
+
+
+_COUNT = {"type": "integer", "minimum": 0}
+_REQUEST_ID = {"X-Request-Id": _header(
+    "The request's `X-Request-Id`, or one generated for it.", {"type": "string"})}
+_ADMITTED = {
+    "X-Queue-Wait-Ms": _header("Time spent waiting for admission, in ms.", _COUNT),
+    "X-Queue-Position": _header("Requests ahead of this one when it was queued (0: admitted at "
+                                "once).", _COUNT),
+}
+_RETRY_AFTER = {"Retry-After": _header("Whole seconds to wait before retrying.",
+                                       {"type": "integer", "minimum": 1})}
+_INFERENCE_PARAMETERS = [
+    {"name": "Idempotency-Key", "in": "header", "required": False,
+     "description": "The same key with the same body within `idempotency.ttl_s` runs the model "
+                    "once; with another body: 422. Not with `stream: true`.",
+     "schema": {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^[!-~]+$"}},
+    {"name": "X-Request-Id", "in": "header", "required": False,
+     "description": "Echoed back; generated when absent.", "schema": {"type": "string"}},
+]
+
+
+def _responses(ok: type, *errors: int, inference: bool = False,
+               event_stream: str = "") -> dict[int | str, Any]:
+    """OpenAPI ``responses`` of a route: 200 with the ``ok`` body (and, where ``event_stream``
+    describes one, a ``text/event-stream`` alternative), each listed error status in the OpenAI
+    error shape, 503 with ``Retry-After``; an ``inference`` route's responses with their
+    CONTRACT.md headers."""
+    common = _REQUEST_ID if inference else {}
+    declared: dict[int | str, Any] = {200: {"model": ok}}
+    if event_stream:  # one server-sent event, as FastAPI declares its own (`itemSchema`)
+        declared[200]["content"] = {"text/event-stream": {"itemSchema": {
+            "type": "object", "required": ["data"],
+            "properties": {"data": {"type": "string", "description": event_stream}}}}}
+    for status in errors:
+        declared[status] = {"model": ErrorResponse, "description": _ERROR_MEANINGS[status]}
+    for status, response in declared.items():
+        headers = {**common, **(_ADMITTED if inference and status == 200 else {}),
+                   **(_RETRY_AFTER if status == 503 else {})}
+        if headers:
+            response["headers"] = headers
+    return declared
 
 
 class BodyLimitMiddleware:
@@ -125,13 +193,24 @@ class Ingress:
         app.add_middleware(BodyLimitMiddleware, max_body_bytes=self._args.limits.max_body_bytes)
         install_error_handlers(app)
         if self._args.model.task in ("embed", "fake"):
-            app.post("/v1/embeddings")(self.embeddings)
+            app.post("/v1/embeddings", response_model=None,
+                     responses=_responses(EmbeddingResponse, *_INFERENCE_ERRORS, inference=True),
+                     openapi_extra={"parameters": _INFERENCE_PARAMETERS})(self.embeddings)
         if self._args.model.task in ("generate", "fake"):
-            app.post("/v1/completions")(self.completions)
-        app.get("/v1/models")(self.models)
-        app.get("/v1/status")(self.status)
-        app.get("/healthz")(self.healthz)
-        app.get("/readyz")(self.readyz)
+            app.post("/v1/completions", response_model=None, responses=_responses(
+                CompletionResponse, *_INFERENCE_ERRORS, inference=True, event_stream=(
+                    "stream: true: each event's data is a CompletionResponse without usage "
+                    "(an error after the first event comes in-band as an ErrorResponse); "
+                    "the last one is `[DONE]`")),
+                openapi_extra={"parameters": _INFERENCE_PARAMETERS})(self.completions)
+        app.get("/v1/models", response_model=None,
+                responses=_responses(ModelList, 401))(self.models)
+        app.get("/v1/status", response_model=None,
+                responses=_responses(StatusResponse, 401))(self.status)
+        app.get("/healthz", response_model=None,
+                responses=_responses(HealthResponse))(self.healthz)
+        app.get("/readyz", response_model=None,
+                responses=_responses(ReadyResponse, 503))(self.readyz)
         return app
 
     async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:

@@ -110,6 +110,7 @@ def measure_replica(args: AppArgs, on_progress: Callable[[str], None] = logger.i
         engine.oom_probability = fake.oom_probability
         engine.cuda_error_probability = fake.cuda_error_probability
         engine.hang_probability, engine.hang_s = fake.hang_probability, fake.hang_s
+        engine.nan_after_oom = fake.nan_after_oom
     return MeasuredReplica(engine, probe, profile, profile.cost_model, max_request_bytes,
                            budget_bytes, reused)
 

@@ -175,6 +175,9 @@ class FakeConfig(_Section):
     hang_probability: float = Field(
         0.0, ge=0, le=1, description="Injected fault: each inference hangs for `hang_s`.")
     hang_s: float = Field(3600.0, ge=0, allow_inf_nan=False, description="How long a hang lasts.")
+    nan_after_oom: bool = Field(
+        False, description="Injected fault: after an OOM every output is NaN (a corrupted "
+        "device), which the canary inference detects.")
     fault_seed: int = Field(0, description="Seeds the injected faults.")
     max_seq_tokens: int = Field(2048, ge=2, description="Longest prompt + completion.")
 

@@ -101,7 +101,11 @@ def install_error_handlers(app: FastAPI) -> None:
         else:
             err = InvalidRequestError(str(exc.detail), code="invalid_request")
             err.status_code = exc.status_code
-        return error_response(err)
+        response = error_response(err)
+        # Starlette's own headers stay: a 405 must list the route's methods in `Allow`
+        # (RFC 9110 15.5.6).
+        response.headers.update(exc.headers or {})
+        return response
 
     @app.exception_handler(Exception)
     async def _any(_: Request, exc: Exception) -> JSONResponse:

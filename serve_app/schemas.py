@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import (
@@ -11,6 +11,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    StrictFloat,
     StrictInt,
     StrictStr,
     field_validator,
@@ -32,7 +33,9 @@ class EmbeddingRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    input: StrictStr | list[StrictStr]
+    # (The lengths are checked by `_strings` first; declared here for the OpenAPI schema.)
+    input: (Annotated[StrictStr, Field(min_length=1)]
+            | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1)])
     model: StrictStr | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = Field(None, ge=1)
@@ -97,8 +100,9 @@ class CompletionRequest(BaseModel):
     prompt: StrictStr = Field(min_length=1)
     model: StrictStr | None = None
     max_tokens: StrictInt = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
-    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    # Strict: JSON numbers only (integers included), not booleans or numeric strings.
+    temperature: StrictFloat = Field(1.0, ge=0, le=2, allow_inf_nan=False)
+    top_p: StrictFloat = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = Field(None)
     stream: StrictBool = False
@@ -141,3 +145,95 @@ class CompletionResult:
     prompt_tokens: int
     completion_tokens: int
     admitted: Admitted
+
+
+# --- Response bodies, as declared in the OpenAPI schema (the ingress renders them itself) -----
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error response (OpenAI error shape; CONTRACT.md "Errors")."""
+
+    error: ErrorDetail
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str = Field(
+        description="Floats, or base64 of little-endian float32 with encoding_format=base64.")
+
+
+class EmbeddingResponse(BaseModel):
+    """``POST /v1/embeddings`` 200 body."""
+
+    object: Literal["list"]
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: Literal["stop", "length"] | None = Field(
+        description="null in the stream's text events; set in the last one.")
+
+
+class CompletionUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(BaseModel):
+    """``POST /v1/completions`` 200 body (``stream: false``; each event of a stream is the
+    same without ``usage``)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: CompletionUsage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    """``GET /v1/models`` body."""
+
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class StatusResponse(BaseModel):
+    """``GET /v1/status`` body: each live model replica's published admission state."""
+
+    model: str
+    replicas: list[dict[str, Any]]
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"]
+
+
+class ReadyResponse(BaseModel):
+    status: Literal["ready"]
+    replicas: int

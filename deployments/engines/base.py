@@ -61,6 +61,10 @@ class Engine(Protocol):
     def profile_run(self, batch: int, prompt_tokens: int, new_tokens: int = 0) -> None:
         """One real inference of exactly this shape (the profiler's unit of measurement)."""
 
+    def canary(self) -> bool:
+        """One small inference; ``True`` when its output holds no NaN/Inf (run after an OOM,
+        on the inference thread)."""
+
 
 class EmbeddingEngineProtocol(Engine, Protocol):
     dimensions: int

@@ -77,6 +77,8 @@ class FakeEngine:
         cuda_error_probability: injected fault: each run raises a non-OOM CUDA error
             (``RuntimeError("CUDA error: device-side assert triggered")``).
         hang_probability, hang_s: injected fault: each run first sleeps ``hang_s``.
+        nan_after_oom: injected fault: after an OOM (injected or real) every output is NaN,
+            as from a corrupted device; :meth:`canary` reports it.
         fault_seed: seeds the fault injection (reproducible storms).
 
     Raises:
@@ -98,6 +100,7 @@ class FakeEngine:
     cuda_error_probability: float = 0.0
     hang_probability: float = 0.0
     hang_s: float = 3600.0
+    nan_after_oom: bool = False
     fault_seed: int = 0
 
     task = "fake"
@@ -111,6 +114,7 @@ class FakeEngine:
         if self.shape is None:
             self.shape = default_shape(self.dimensions, self.max_seq_tokens)
         self._rng = random.Random(self.seed)
+        self._poisoned = False  # set by an OOM under nan_after_oom
         self._weights: Allocation = self.device.allocate(self.weights_bytes)
 
     # --- cost ----------------------------------------------------------------------------
@@ -146,7 +150,17 @@ class FakeEngine:
         longest = min(max(self.count_tokens(texts)), self.max_seq_tokens)
         with self._hold(self.request_bytes(len(texts), longest)):
             self.sleep(len(texts) * longest * self.latency_per_token_s)
-            return np.stack([self._vector(text) for text in texts])
+            return self._vectors(texts)
+
+    def canary(self) -> bool:
+        """One short embedding, outside the injected faults (it checks the device's state; it
+        is not traffic); ``True`` when its output is finite (see ``nan_after_oom``)."""
+        with self.device.allocate(self.request_bytes(1, SPECIAL_TOKENS + 1)):
+            return bool(np.isfinite(self._vectors(["canary"])).all())
+
+    def _vectors(self, texts: list[str]) -> np.ndarray:
+        vectors = np.stack([self._vector(text) for text in texts])
+        return np.full_like(vectors, np.nan) if self._poisoned else vectors
 
     def _vector(self, text: str) -> np.ndarray:
         raw = np.random.default_rng(_digest("embed", text)).standard_normal(self.dimensions)
@@ -203,8 +217,13 @@ class FakeEngine:
         if self.cuda_error_probability and self._faults.random() < self.cuda_error_probability:
             raise RuntimeError("CUDA error: device-side assert triggered")
         if self.oom_probability and self._faults.random() < self.oom_probability:
+            self._poisoned = self.nan_after_oom
             raise self.device.out_of_memory(nbytes)
-        allocation = self.device.allocate(nbytes)
+        try:
+            allocation = self.device.allocate(nbytes)
+        except Exception:  # the device's OOM: all allocate raises for a size >= 0
+            self._poisoned = self.nan_after_oom
+            raise
         try:
             yield allocation
         finally:

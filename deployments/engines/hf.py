@@ -11,6 +11,9 @@ from typing import Any, ClassVar
 import torch
 from transformers import AutoTokenizer
 
+# What the canary inference after an OOM reads: short, and tokenised alike by any vocabulary.
+CANARY_TEXT = "The quick brown fox jumps over the lazy dog."
+
 
 def resolve_device(device: str) -> str:
     """``auto`` -> ``cuda`` when CUDA is usable in this process, else ``cpu``.
@@ -76,6 +79,15 @@ class HFEngine:
         self.tokenizer, self.model, self.config = load_pretrained(
             self.auto_class, self.path, self.device, self.dtype, self.num_threads)
         self._tokenizer_lock = threading.Lock()
+
+    @torch.inference_mode()
+    def canary(self) -> bool:
+        """One forward pass over :data:`CANARY_TEXT`; ``True`` when every value of the first
+        output (hidden states, or logits for a causal LM) is finite. Run after an OOM: a
+        device left corrupt by a failed kernel shows as NaN/Inf before it shows as an error."""
+        inputs = self.tokenize(CANARY_TEXT, return_tensors="pt")
+        output = self.model(**{k: v.to(self.device) for k, v in inputs.items()})[0]
+        return bool(torch.isfinite(output).all())
 
     def tokenize(self, *args: Any, **kwargs: Any) -> Any:
         """Call the tokenizer under a lock: ``count_tokens`` runs on a helper thread while the

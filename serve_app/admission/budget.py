@@ -80,7 +80,9 @@ class MemoryBudget:
         if nbytes < 0 or nbytes != int(nbytes):
             raise ValueError(f"nbytes must be a whole number >= 0, got {nbytes}")
         nbytes = int(nbytes)
-        if nbytes > self.free_bytes:
+        # Not ``nbytes > free_bytes``: free_bytes is clamped at 0, which would let a 0-byte
+        # lease in while the leases exceed a shrunk budget.
+        if self._reserved_bytes + nbytes > self._budget_bytes:
             return None
         self._reserved_bytes += nbytes
         self.peak_reserved_bytes = max(self.peak_reserved_bytes, self._reserved_bytes)

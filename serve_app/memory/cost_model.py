@@ -9,6 +9,7 @@ forward pass (embeddings) or one ``generate`` call (causal LMs) over a batch pad
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -221,3 +222,75 @@ def fit_cost_model(shapes: Sequence[tuple[int, int, int]], peaks_bytes: Sequence
 def relative_error(predicted_bytes: int, measured_bytes: int) -> float:
     """``|predicted - measured| / max(measured, ERROR_FLOOR_BYTES)``."""
     return abs(predicted_bytes - measured_bytes) / max(measured_bytes, ERROR_FLOOR_BYTES)
+
+
+# An OOM'd request that needed up to this much more than its price is within the resolution
+# of the observation (CUDA's message rounds the failed allocation to 0.01 of its unit), so it
+# does not correct the model.
+OOM_CORRECTION_TOLERANCE = 0.05
+# Prices rise at most this much from OOM observations. A larger error means the profile is
+# wrong (another model, device or limits): profile again rather than patch it. Same factor
+# as the documented analytic/measured bound (serve_app.memory.profiler.ANALYTIC_FACTOR_BOUND).
+MAX_OOM_CORRECTION = 3.0
+
+
+class CorrectedCostModel:
+    """A cost model whose prices rise when an out-of-memory error proves them too low.
+
+    An OOM'd request needed at least ``observed_min_bytes``: what it had allocated when it
+    failed plus the allocation that failed (see :func:`failed_allocation_bytes`). When that is
+    more than the request was priced, every later price is scaled up by the ratio (it only
+    ever grows, up to ``max_factor``). An OOM with ``observed_min_bytes`` at or under the price
+    (another process, fragmentation, an injected fault) says nothing about the model and
+    leaves it alone; the AIMD budget (:mod:`serve_app.admission.aimd`) handles those.
+
+    Args:
+        base: the measured (fitted) or analytic model.
+        max_factor: cap on the correction (default :data:`MAX_OOM_CORRECTION`).
+
+    Not thread-safe: use from the replica's event loop.
+    """
+
+    def __init__(self, base: CostModel, max_factor: float = MAX_OOM_CORRECTION) -> None:
+        self.base = base
+        self.max_factor = max_factor
+        self.factor = 1.0
+        self.corrections = 0
+
+    def request_bytes(self, batch: int, prompt_tokens: int, new_tokens: int = 0) -> int:
+        base = self.base.request_bytes(batch, prompt_tokens, new_tokens)
+        return base if self.factor == 1.0 else math.ceil(base * self.factor)
+
+    def observe_oom(self, priced_bytes: int, observed_min_bytes: int) -> bool:
+        """Record an OOM'd request priced ``priced_bytes`` that needed at least
+        ``observed_min_bytes``; returns ``True`` when prices went up."""
+        if priced_bytes <= 0:
+            return False
+        ratio = observed_min_bytes / priced_bytes
+        if ratio <= 1.0 + OOM_CORRECTION_TOLERANCE:
+            return False
+        factor = min(self.max_factor, self.factor * ratio)
+        if factor <= self.factor:
+            return False
+        self.factor = factor
+        self.corrections += 1
+        return True
+
+
+_FAILED_ALLOCATION = re.compile(
+    r"Tried to allocate ([0-9]+(?:\.[0-9]+)?) ?(B|bytes|KiB|MiB|GiB|TiB)")
+_UNIT_BYTES = {"B": 1, "bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30,
+               "TiB": 1 << 40}
+
+
+def failed_allocation_bytes(message: str) -> int:
+    """The size of the allocation an out-of-memory error reports, bytes (0 if it names none).
+
+    Reads PyTorch's CUDA caching-allocator message, ``"CUDA out of memory. Tried to allocate
+    20.00 MiB. GPU 0 has a total capacity of ..."`` (``c10/cuda/CUDACachingAllocator.cpp``,
+    sizes formatted by ``format_size``), which the simulated device copies.
+    """
+    match = _FAILED_ALLOCATION.search(message)
+    if match is None:
+        return 0
+    return int(float(match.group(1)) * _UNIT_BYTES[match.group(2)])

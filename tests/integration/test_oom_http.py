@@ -38,6 +38,9 @@ async def test_an_oom_storm_leaves_the_replica_serving(app):
     assert after["replica_id"] == before["replica_id"]  # no restart
     assert after["oom_count"] == len(refused)  # every non-OOM request was answered 200
     assert after["budget_shrink_count"] == len(refused)
+    # Injected OOMs asked for exactly the priced bytes: the cost model stays as measured, and
+    # the canary after each OOM found finite output.
+    assert after["cost_correction_factor"] == 1.0 and after["device_fault"] is None
     # Regrowth: one step of half the measured budget per quiet second, back to the full figure.
     deadline = time.monotonic() + 15
     state = after

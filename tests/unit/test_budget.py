@@ -141,6 +141,20 @@ def test_shrinking_below_leases_blocks_until_enough_is_released() -> None:
     assert budget.reserved_bytes == 0 and budget.active_leases == 0
 
 
+def test_a_budget_shrunk_below_its_leases_admits_not_even_zero_bytes() -> None:
+    # free_bytes is clamped at 0, so comparing with it let a 0-byte lease in while 90 bytes
+    # were leased against a budget of 60.
+    budget = MemoryBudget(100)
+    held = budget.try_reserve(90)
+    budget.set_budget_bytes(60)
+    assert budget.try_reserve(0) is None
+    assert budget.active_leases == 1 and budget.charged_bytes_total == 90
+    held.release()
+    zero = budget.try_reserve(0)
+    assert zero is not None
+    zero.release()
+
+
 def test_growing_the_budget_frees_room_at_once() -> None:
     budget = MemoryBudget(100)
     held = budget.try_reserve(100)

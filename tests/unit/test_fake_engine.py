@@ -276,3 +276,18 @@ def test_injected_faults_raise_and_leave_only_the_weights(engine: FakeEngine,
     engine.embed(["a b"])
     assert 600.0 in sleep.calls
     assert device.allocated_bytes == WEIGHTS
+
+
+def test_the_canary_sees_nan_output_after_an_oom_only_when_asked_to(
+        engine: FakeEngine, device: SimulatedDevice) -> None:
+    free_tokens = (CAPACITY - WEIGHTS) // PER_TOKEN
+    assert engine.canary() is True
+    with pytest.raises(torch.OutOfMemoryError):
+        engine.profile_run(10, free_tokens, 0)
+    assert engine.canary() is True  # a plain OOM leaves the output intact
+    engine.nan_after_oom = True
+    with pytest.raises(torch.OutOfMemoryError):
+        engine.profile_run(10, free_tokens, 0)
+    assert engine.canary() is False
+    assert np.isnan(engine.embed(["a b"])).all()
+    assert device.allocated_bytes == WEIGHTS

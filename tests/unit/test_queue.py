@@ -165,6 +165,17 @@ def test_pump_admits_from_the_head_while_the_head_fits(make_queue) -> None:
         queue.release(waiter.lease)
 
 
+def test_a_budget_shrunk_below_its_leases_admits_nobody_until_they_return(make_queue) -> None:
+    queue = make_queue()
+    held = admitted(queue, 90)
+    assert queue.set_budget_bytes(60) == []
+    # Not even a request priced at 0 bytes: 90 + 0 > 60.
+    zero = queued(queue, 0)
+    assert queue.pump() == []
+    assert ids(queue.release(held.lease)) == ids([zero])
+    queue.release(zero.lease)
+
+
 # --- cancel ---------------------------------------------------------------------------------
 
 
