@@ -48,3 +48,42 @@ async def test_a_thousand_random_aborts_leave_nothing_behind(app):
     assert outcomes.get("aborted", 0) > 100 and outcomes.get("200", 0) > 10
     [replica] = app.check_invariants()
     assert replica["charged_bytes_total"] == replica["released_bytes_total"]
+
+
+async def test_two_hundred_mixed_requests_a_third_aborted_on_a_budget_for_two(deploy):
+    # Two replicas, each with a budget for two of the largest requests (4 inputs x 32 tokens).
+    largest_bytes = 4 * 32 * MiB
+    app = deploy(fake_app_args(
+        fake={"latency_per_token_s": 0.002, "bytes_per_token": MiB},
+        memory={"budget_bytes": 2 * largest_bytes},
+        limits={"max_inputs": 4, "max_input_tokens": 32, "max_tokens": 16},
+        deployment={"num_replicas": 2},
+        admission={"max_queue_len": 16, "max_queue_wait_s": 3}))
+    rng = random.Random(11)
+    aborted = set(rng.sample(range(200), 67))  # a random third of the clients give up
+    statuses: list[int] = []
+    async with httpx.AsyncClient(base_url=app.base_url, timeout=30,
+                                 limits=httpx.Limits(max_connections=200)) as http:
+
+        async def one(i: int) -> None:
+            body = {"input": [" ".join(["w"] * rng.randint(1, 30))
+                              for _ in range(rng.randint(1, 4))]}
+            call = asyncio.create_task(http.post("/v1/embeddings", json=body))
+            if i in aborted:
+                await asyncio.sleep(rng.uniform(0, 1.0))
+                call.cancel()
+                await asyncio.gather(call, return_exceptions=True)
+                return
+            response = await call
+            statuses.append(response.status_code)
+            if response.status_code == 503:
+                assert int(response.headers["retry-after"]) >= 1
+
+        await asyncio.gather(*(one(i) for i in range(200)))
+    counts = {s: statuses.count(s) for s in set(statuses)}
+    print(f"\n133 kept clients: {counts}")
+    assert len(statuses) == 133
+    assert set(counts) <= {200, 503} and counts.get(200, 0) > 0
+    replicas = app.check_invariants()  # zero reserved, empty queue, charged == released
+    assert len(replicas) == 2
+    assert all(r["reserved_bytes"] == 0 and r["queue_depth"] == 0 for r in replicas)

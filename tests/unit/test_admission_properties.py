@@ -34,10 +34,12 @@ QUIET_S = st.sampled_from([0.25, 0.5, 1.0, 2.5, 10.0])  # the non-zero steps
 
 
 class _Failing:
-    """A request whose inference hit an out-of-memory error. Two things follow, in either
-    order and with other events between them (deployments/model_server.py): the inference
-    thread returns, so ``_start_leased.finished`` releases the lease; and the error reaches the
-    caller, whose ``_after_oom`` shrinks the budget to ``aimd.on_oom()``."""
+    """A request whose inference hit an out-of-memory error. Two things follow: the budget
+    shrinks to ``aimd.on_oom()`` and the lease is released. The replica now does both in one
+    callback, shrink first (``finished`` in deployments/inference.py); the machine also plays
+    them in the other order and with other events between them (as an earlier replica did,
+    shrinking only when the error reached the caller), since the queue must hold up either way.
+    """
 
     def __init__(self, lease: Lease) -> None:
         self.lease = lease
@@ -298,7 +300,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         assert self.just_admitted == []
 
     def shrink_after_oom(self) -> None:
-        """``_after_oom``: the budget becomes ``aimd.on_oom()``."""
+        """The replica's ``_after_oom``: the budget becomes ``aimd.on_oom()``."""
         expected = max(self.aimd.floor_bytes, int(self.aimd_bytes * self.aimd.decrease_factor))
         budget_bytes = self.aimd.on_oom()
         assert budget_bytes == expected
@@ -306,7 +308,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.change_budget(budget_bytes, from_aimd=True)
 
     def release_after_oom(self, lease: Lease) -> None:
-        """``_start_leased.finished``: the inference thread returned, the lease goes back."""
+        """The inference thread returned (``finished``): the lease goes back."""
         self.released.append(lease)
         self.reconcile(self.queue.release(lease))
         assert lease.released
@@ -314,9 +316,8 @@ class AdmissionMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.held)
     @rule(pick=st.integers(0, 10**6), release_first=st.booleans())
     def oom(self, pick: int, release_first: bool) -> None:
-        """A running request fails with an OOM: its lease is released and the budget shrinks,
-        in either order (both happen on the event loop; which runs first depends on when the
-        caller's task looks at the finished future)."""
+        """A running request fails with an OOM: the budget shrinks and its lease is released,
+        back to back, in the replica's order (shrink first) or the other."""
         lease, _ = self.held.pop(pick % len(self.held))
         if release_first:
             self.release_after_oom(lease)
