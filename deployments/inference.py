@@ -31,6 +31,7 @@ from serve_app.config import AdmissionConfig
 from serve_app.errors import InferenceTimeoutError, OverloadedError
 from serve_app.memory.cost_model import CorrectedCostModel, failed_allocation_bytes
 from serve_app.memory.probes import DeviceProbe
+from serve_app.metrics import ProcessMetrics
 
 logger = logging.getLogger("ray.serve")
 
@@ -57,21 +58,24 @@ class InferenceThread:
         cost_model: the prices; corrected from observed OOM points.
         aimd: the adaptive budget under ``admission.policy: budget``, else ``None``.
         admission: the ``admission.*`` knobs (timeouts).
+        metrics: the replica's metrics (decisions, waits, inference times, OOMs).
 
     Use from the replica's event loop, except what the docstrings say runs on the thread.
     """
 
     def __init__(self, executor: ThreadPoolExecutor, engine: Any, probe: DeviceProbe,
                  gate: AdmissionController, cost_model: CorrectedCostModel,
-                 aimd: AimdBudget | None, admission: AdmissionConfig) -> None:
+                 aimd: AimdBudget | None, admission: AdmissionConfig,
+                 metrics: ProcessMetrics) -> None:
         self._executor, self._engine, self._probe = executor, engine, probe
         self._gate, self._cost_model, self._aimd = gate, cost_model, aimd
-        self._admission = admission
+        self._admission, self._metrics = admission, metrics
         self.running = 0  # jobs handed to the thread and not yet returned
         self.total = 0  # jobs the thread ran (abandoned ones not counted)
         self.running_since: float | None = None  # monotonic start of the running job
         self.oom_count = 0
         self.device_fault: str | None = None
+        self._allocator_summary_logged = False
 
     # --- running work --------------------------------------------------------------------
 
@@ -94,12 +98,25 @@ class InferenceThread:
             if self.running_since == job.started_at:  # the thread may have moved on already
                 self.running_since = None
             error = None if done.cancelled() else done.exception()
+            ran = job.started_at is not None
             if isinstance(error, torch.OutOfMemoryError):
                 self._after_oom(admission.lease.nbytes, job)  # before the bytes go back
             elif error is not None and is_device_fault(error):
                 self.mark_device_fault(str(error))
-            self._gate.release(admission.lease, ran=job.started_at is not None)
-            self.total += job.started_at is not None
+            if ran:
+                outcome = "ok" if error is None else (
+                    "oom" if isinstance(error, torch.OutOfMemoryError) else type(error).__name__)
+                self.log_event("finished", admission.lease.nbytes, outcome=outcome,
+                               inference_s=round(job.duration_s, 4),
+                               peak_bytes=job.peak_bytes)
+            self._gate.release(admission.lease, ran=ran)
+            self.log_event("lease released", admission.lease.nbytes, ran=ran)
+            self.total += ran
+            if job.started_at is not None:
+                self._metrics.observe("inference_seconds", job.duration_s)
+            if error is None and job.started_at is not None and admission.lease.nbytes > 0:
+                self._metrics.observe("request_measured_over_estimated",
+                                      job.peak_bytes / admission.lease.nbytes)
 
         future.add_done_callback(finished)
         return future, job
@@ -121,16 +138,41 @@ class InferenceThread:
                                          return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             job.abandoned = True
+            if job.started_at is None:
+                self._metrics.inc("admission_decisions", outcome="cancelled",
+                                  reason="client_gone")
             raise
         finally:
             started.cancel()
         if not done:
             job.abandoned = True
+            self._metrics.inc("admission_decisions", outcome="rejected", reason="queue_timeout")
             raise OverloadedError(
                 f"waited {self._admission.max_queue_wait_s:g} s for the inference thread "
                 "without starting", code="queue_timeout",
                 retry_after_s=self._gate.retry_after_s(admission.lease.nbytes))
-        return time.monotonic() - waited_from
+        thread_wait_s = time.monotonic() - waited_from
+        self._metrics.inc("admission_decisions", outcome="admitted",
+                          reason="queued" if admission.queue_position else "at_once")
+        queue_wait_s = admission.queue_wait_s + thread_wait_s
+        self._metrics.observe("queue_wait_seconds", queue_wait_s)
+        self.log_event("admitted", admission.lease.nbytes, queue_wait_s=round(queue_wait_s, 4),
+                       queue_position=admission.queue_position)
+        return thread_wait_s
+
+    def log_event(self, event: str, estimated_bytes: int, level: int = logging.INFO,
+                  **fields: Any) -> None:
+        """Log one moment of a request (``arrived``, ``admitted``, ``finished``, ``lease
+        released``) with the replica, the request's estimated bytes, ``fields`` and a device
+        memory snapshot. Ray Serve adds the request id; under ``logging.encoding: JSON`` every
+        field is a JSON key (Ray's JSON formatter keeps ``extra`` attributes)."""
+        if not logger.isEnabledFor(level):
+            return
+        extra = {"event": event, "replica": self._metrics.common["replica"],
+                 "estimated_bytes": estimated_bytes, **fields,
+                 **self._probe.memory_snapshot()}
+        logger.log(level, "request %s: %s", event,
+                   " ".join(f"{k}={v}" for k, v in extra.items() if k != "event"), extra=extra)
 
     async def run(self, admission: Admission, work: Callable[[], Any]) -> tuple[Any, float]:
         """:meth:`start`; once the thread runs it, wait up to ``inference_timeout_s``.
@@ -180,6 +222,7 @@ class InferenceThread:
         if self.device_fault is None:
             logger.error("device fault, the replica will be replaced: %s", reason)
             self.device_fault = reason
+            self._metrics.inc("device_faults")
 
     def check_health(self) -> None:
         """Raises RuntimeError after a device fault, or while a job has run longer than
@@ -197,10 +240,12 @@ class InferenceThread:
         """One AIMD regrowth step if a quiet period has passed (called periodically)."""
         if self._aimd is not None and (budget := self._aimd.regrow()) is not None:
             self._gate.set_budget_bytes(budget, retry_after_s=1)
+            self._metrics.inc("budget_regrowths")
             logger.info("budget regrown to %d bytes", budget)
 
     def _after_oom(self, priced_bytes: int, job: _Job) -> None:
         self.oom_count += 1
+        self._metrics.inc("ooms")
         if job.canary_ok is False:
             self.mark_device_fault("the canary inference after an out-of-memory error gave "
                                    "NaN/Inf output")
@@ -212,6 +257,7 @@ class InferenceThread:
         if self._aimd is not None:
             budget = self._aimd.on_oom()
             self._gate.set_budget_bytes(budget, self._gate.retry_after_s(priced_bytes))
+            self._metrics.inc("budget_shrinks")
             logger.warning("out of memory: budget shrunk to %d bytes (%d OOMs so far)",
                            budget, self.oom_count)
 
@@ -220,6 +266,12 @@ class InferenceThread:
         (``torch.cuda.empty_cache``) and run the engine's canary. Returns ``True`` (finite
         output), ``False`` (NaN/Inf, or the canary failed otherwise) or ``None`` (the canary
         itself ran out of memory: inconclusive)."""
+        if not self._allocator_summary_logged:  # once per replica: it is long
+            self._allocator_summary_logged = True
+            summary = (torch.cuda.memory_summary() if torch.cuda.is_available()
+                       else f"{self._probe.device}: {self._probe.memory_snapshot()}")
+            logger.warning("first out-of-memory error of this replica; allocator state:\n%s",
+                           summary)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         try:
@@ -243,10 +295,11 @@ class InferenceThread:
 
 class _Job:
     """One request's work for the thread: says when the thread took it up, is skipped if its
-    caller left before that. After an out-of-memory error it records how many bytes the work
-    needed at least (bytes it had taken since it started + the allocation that failed) and
-    the canary's verdict, then re-raises the error without the failed work's frames, so
-    their tensors are freed before the cache is emptied."""
+    caller left before that, and measures its time and peak bytes (the probe's per-request
+    peak). After an out-of-memory error it records how many bytes the work needed at least
+    (its peak so far + the allocation that failed) and the canary's verdict, then re-raises
+    the error without the failed work's frames, so their tensors are freed before the cache
+    is emptied."""
 
     def __init__(self, work: Callable[[], Any], loop: asyncio.AbstractEventLoop,
                  thread: InferenceThread) -> None:
@@ -254,6 +307,8 @@ class _Job:
         self.started = asyncio.Event()
         self.started_at: float | None = None
         self.abandoned = False
+        self.duration_s = 0.0
+        self.peak_bytes = 0
         self.oom_needed_bytes = 0
         self.canary_ok: bool | None = None
 
@@ -263,12 +318,14 @@ class _Job:
         self.started_at = self._thread.running_since = time.monotonic()
         self._loop.call_soon_threadsafe(self.started.set)
         probe = self._thread._probe
-        used_at_start = probe.used_bytes()
+        probe.begin_request()
         try:
             return self._work()
         except torch.OutOfMemoryError as exc:
             message = str(exc)
-            self.oom_needed_bytes = (max(0, probe.used_bytes() - used_at_start)
-                                     + failed_allocation_bytes(message))
+            self.oom_needed_bytes = probe.request_peak_bytes() + failed_allocation_bytes(message)
+        finally:
+            self.peak_bytes = probe.request_peak_bytes()
+            self.duration_s = time.monotonic() - self.started_at
         self.canary_ok = self._thread.recover_after_oom()
         raise torch.OutOfMemoryError(message)

@@ -7,6 +7,7 @@ echoes it on every response; the ingress reads it from the request for its logs.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the route signatures at run time.
+import asyncio
 import base64
 import hashlib
 import hmac
@@ -20,12 +21,15 @@ from typing import Any
 import numpy as np
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deployments.engines.base import GenerationParams
+from deployments.http_metrics import HttpMetricsMiddleware
+from deployments.registry import PUBLISH_PERIOD_S
 from serve_app.admission.drain import retry_after_s
 from serve_app.config import parse_args
 from serve_app.errors import (
@@ -37,8 +41,13 @@ from serve_app.errors import (
     OverloadedError,
     ServeAppError,
 )
-from serve_app.http_errors import as_serve_app_error, error_response, install_error_handlers
+from serve_app.http_errors import (
+    as_serve_app_error,
+    error_response,
+    install_error_handlers,
+)
 from serve_app.idempotency import StoredResponse
+from serve_app.metrics import ProcessMetrics, merge_expositions
 from serve_app.schemas import (
     CompletionRequest,
     CompletionResponse,
@@ -174,8 +183,8 @@ class Ingress:
         idempotency: handle to :class:`deployments.idempotency.IdempotencyStore`.
     """
 
-    def __init__(self, raw_args: dict[str, Any], model: DeploymentHandle,
-                 registry: DeploymentHandle, idempotency: DeploymentHandle) -> None:
+    async def __init__(self, raw_args: dict[str, Any], model: DeploymentHandle,
+                       registry: DeploymentHandle, idempotency: DeploymentHandle) -> None:
         self._args = parse_args(raw_args)
         self._model = model
         self._registry = registry
@@ -184,6 +193,11 @@ class Ingress:
         self._api_key = self._args.auth.resolved_key().encode()
         self._statuses: list[dict[str, Any]] = []
         self._statuses_at = -float("inf")
+        context = serve.get_replica_context()
+        self._replica_id = context.replica_id.unique_id if context else "local"
+        self._metrics = ProcessMetrics(context.deployment if context else "Ingress",
+                                       self._replica_id)
+        self._publisher = asyncio.get_running_loop().create_task(self._publish_metrics())
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         """Ray Serve calls this after ``__init__``; the routes close over this replica."""
@@ -191,6 +205,7 @@ class Ingress:
                       description="Memory-budget admission for model serving on Ray Serve.",
                       dependencies=[Depends(self._authenticate)])
         app.add_middleware(BodyLimitMiddleware, max_body_bytes=self._args.limits.max_body_bytes)
+        app.add_middleware(HttpMetricsMiddleware, metrics=self._metrics)
         install_error_handlers(app)
         if self._args.model.task in ("embed", "fake"):
             app.post("/v1/embeddings", response_model=None,
@@ -207,6 +222,10 @@ class Ingress:
                 responses=_responses(ModelList, 401))(self.models)
         app.get("/v1/status", response_model=None,
                 responses=_responses(StatusResponse, 401))(self.status)
+        app.get("/metrics", response_model=None, responses={
+            200: {"description": "Prometheus text exposition (version 0.0.4)",
+                  "content": {"text/plain": {"schema": {"type": "string"}}}},
+            401: _responses(HealthResponse, 401)[401]})(self.metrics)
         app.get("/healthz", response_model=None,
                 responses=_responses(HealthResponse))(self.healthz)
         app.get("/readyz", response_model=None,
@@ -308,6 +327,27 @@ class Ingress:
         """``GET /v1/status``: every live model replica's admission state."""
         return {"model": self._args.model.name, "replicas": await self._replica_statuses()}
 
+    async def metrics(self) -> Response:
+        """``GET /metrics``: the project's metrics of every ingress and model replica, in
+        Prometheus text format (see :mod:`serve_app.metrics`). Every process's series come
+        from what it last published to the registry (at most one publish period old), so
+        scrapes answered by different ingress replicas agree and counters never go back."""
+        texts = await self._call_deployment(self._registry.metrics)
+        return Response(merge_expositions(texts), media_type=CONTENT_TYPE_LATEST)
+
+    async def _publish_metrics(self) -> None:
+        while True:
+            try:
+                await self._registry.publish_metrics.remote(self._replica_id,
+                                                            self._metrics.exposition())
+            except Exception:  # the registry restarting must not take the ingress down
+                logger.warning("could not publish metrics to the registry", exc_info=True)
+            await asyncio.sleep(PUBLISH_PERIOD_S)
+
+    def __del__(self) -> None:
+        if getattr(self, "_publisher", None) is not None:
+            self._publisher.cancel()
+
     async def healthz(self) -> dict[str, str]:
         """``GET /healthz``: 200 while the ingress runs."""
         return {"status": "ok"}
@@ -346,6 +386,8 @@ class Ingress:
                     self._idempotency.wait, key,
                     limits.max_queue_wait_s + limits.inference_timeout_s + 5)
             if stored is not None:
+                self._metrics.inc("idempotency_hits",
+                                  outcome="coalesced" if action == "wait" else "replayed")
                 return _replay(stored)
             if action == "run":
                 return await self._run_and_record(key, run)
@@ -377,11 +419,15 @@ class Ingress:
         except ServeAppError:
             raise
         except BackPressureError:
+            self._metrics.inc("admission_decisions", outcome="rejected", reason="queue_full")
             raise OverloadedError("every model replica is busy and its queue is full",
                                   code="queue_full",
                                   retry_after_s=await self._cluster_retry_after_s()) from None
         except Exception as exc:
-            raise as_serve_app_error(exc) from None
+            err = as_serve_app_error(exc)
+            if err.code == "no_replicas":  # refused before any replica could decide
+                self._metrics.inc("admission_decisions", outcome="rejected", reason=err.code)
+            raise err from None
 
     async def _cluster_retry_after_s(self) -> int:
         """``Retry-After`` for a request refused before reaching a replica: the bytes queued

@@ -28,8 +28,9 @@ from serve_app.admission.aimd import AimdBudget
 from serve_app.admission.controller import Admission, AdmissionController
 from serve_app.admission.policy import AdmissionPolicy
 from serve_app.config import parse_args
-from serve_app.errors import InvalidRequestError, ModelNotFoundError
+from serve_app.errors import InvalidRequestError, ModelNotFoundError, ServeAppError
 from serve_app.memory.cost_model import CorrectedCostModel
+from serve_app.metrics import ProcessMetrics
 from serve_app.schemas import Admitted, CompletionResult, EmbeddingResult
 
 logger = logging.getLogger("ray.serve")
@@ -68,10 +69,13 @@ class ModelServer:
         self._aimd = AimdBudget(measured.budget_bytes, adm.oom_decrease_factor,
                                 adm.oom_regrow_fraction, adm.oom_quiet_s,
                                 adm.oom_floor_fraction) if self._policy.name == "budget" else None
-        self._inference = InferenceThread(executor, self._engine, measured.probe, self._gate,
-                                          self._cost_model, self._aimd, adm)
         context = serve.get_replica_context()
         self._replica_id = context.replica_id.unique_id if context else "local"
+        self._metrics = ProcessMetrics(context.deployment if context else "ModelServer",
+                                       self._replica_id)
+        self._probe = measured.probe
+        self._inference = InferenceThread(executor, self._engine, measured.probe, self._gate,
+                                          self._cost_model, self._aimd, adm, self._metrics)
         self._memory = measured.status(args)
         runtime = ray.get_runtime_context()
         self._node_id = runtime.get_node_id()
@@ -140,6 +144,7 @@ class ModelServer:
             yield {"admitted": _admitted(admitted)}
         except BaseException:
             self._gate.release(admitted.lease, ran=False)
+            self._metrics.inc("admission_decisions", outcome="cancelled", reason="client_gone")
             raise
         future, job = self._inference.start(
             admitted, lambda: self._engine.generate(prompt, params, on_text))
@@ -177,10 +182,24 @@ class ModelServer:
         return await self._admit(1, prompt_tokens, params.max_tokens), prompt_tokens
 
     async def _admit(self, batch: int, prompt_tokens: int, new_tokens: int) -> Admission:
-        if self._inference.device_fault is not None:
-            raise self._inference.draining_error()
-        request_bytes = self._cost_model.request_bytes(batch, prompt_tokens, new_tokens)
-        return await self._gate.acquire(self._policy.units(request_bytes))
+        """A lease for a request of this shape. Refusals are counted here (the admission
+        counted once the inference thread takes the request up: :mod:`deployments.inference`).
+
+        Raises: as :meth:`AdmissionController.acquire`; ``draining`` after a device fault.
+        """
+        try:
+            if self._inference.device_fault is not None:
+                raise self._inference.draining_error()
+            request_bytes = self._cost_model.request_bytes(batch, prompt_tokens, new_tokens)
+            self._inference.log_event("arrived", request_bytes, batch=batch,
+                                      prompt_tokens=prompt_tokens, new_tokens=new_tokens)
+            return await self._gate.acquire(self._policy.units(request_bytes))
+        except ServeAppError as exc:
+            self._metrics.inc("admission_decisions", outcome="rejected", reason=exc.code)
+            raise
+        except asyncio.CancelledError:
+            self._metrics.inc("admission_decisions", outcome="cancelled", reason="client_gone")
+            raise
 
     def _require_task(self, task: str) -> None:
         if self._engine.task not in (task, "fake"):  # the fake engine serves both
@@ -237,13 +256,26 @@ class ModelServer:
         }
 
     async def _publish_forever(self) -> None:
+        """Every publish period: regrow the budget if due, refresh the gauges, and send the
+        status and the metrics to the registry."""
         while True:
             self._inference.regrow_budget()
+            status = await self.status()
+            self._record_gauges(status)
             try:
-                await self._registry.publish.remote(self._replica_id, await self.status())
+                await self._registry.publish.remote(self._replica_id, status)
+                await self._registry.publish_metrics.remote(self._replica_id,
+                                                            self._metrics.exposition())
             except Exception:  # the registry restarting must not take the replica down
                 logger.warning("could not publish status to the registry", exc_info=True)
             await asyncio.sleep(PUBLISH_PERIOD_S)
+
+    def _record_gauges(self, status: dict[str, Any]) -> None:
+        for name in ("budget_bytes", "measured_budget_bytes", "reserved_bytes", "free_bytes",
+                     "queue_depth", "queued_bytes", "cost_correction_factor"):
+            self._metrics.set(name, status[name])
+        for name, value in self._probe.memory_snapshot().items():
+            self._metrics.set(name, value)
 
     def __del__(self) -> None:
         if getattr(self, "_publisher", None) is not None:

@@ -16,17 +16,36 @@ from ray import serve
 
 PUBLISH_PERIOD_S = 1.0
 STALE_AFTER_S = 5.0
+# A departed process's last metrics stay this long, so that a scrape soon after a replica is
+# replaced still sees its final counts.
+METRICS_RETENTION_S = 600.0
 
 
 @serve.deployment(num_replicas=1, max_ongoing_requests=1000,
                   ray_actor_options={"num_cpus": 0},
                   logging_config={"enable_access_log": False})
 class ReplicaRegistry:
-    """Latest status dict per model replica id."""
+    """Latest status dict per model replica id, and the latest metrics exposition per
+    process (model and ingress replicas) for ``GET /metrics``."""
 
-    def __init__(self, stale_after_s: float = STALE_AFTER_S) -> None:
+    def __init__(self, stale_after_s: float = STALE_AFTER_S,
+                 metrics_retention_s: float = METRICS_RETENTION_S) -> None:
         self._stale_after_s = stale_after_s
+        self._metrics_retention_s = metrics_retention_s
         self._entries: dict[str, tuple[float, dict[str, Any]]] = {}
+        self._metrics: dict[str, tuple[float, str]] = {}
+
+    async def publish_metrics(self, source_id: str, exposition: str) -> None:
+        """Store ``source_id``'s latest metrics (Prometheus text; its series are cumulative,
+        so the latest replaces the previous)."""
+        self._metrics[source_id] = (time.monotonic(), exposition)
+
+    async def metrics(self) -> list[str]:
+        """Every process's latest exposition, sorted by source id."""
+        now = time.monotonic()
+        self._metrics = {k: v for k, v in self._metrics.items()
+                         if now - v[0] <= self._metrics_retention_s}
+        return [text for _, (_, text) in sorted(self._metrics.items())]
 
     async def publish(self, replica_id: str, status: dict[str, Any]) -> None:
         self._entries[replica_id] = (time.monotonic(), status)

@@ -35,6 +35,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
                 plan.num_gpus, plan.max_ongoing_requests, plan.how)
     raw = cfg.model_dump(mode="json")
     dep = cfg.deployment
+    logging_config = {"encoding": cfg.logging.encoding, "log_level": cfg.logging.log_level}
     registry = ReplicaRegistry.bind()
     idempotency = IdempotencyStore.bind(cfg.idempotency.ttl_s, cfg.idempotency.max_entries)
     model = ModelServer.options(
@@ -51,8 +52,10 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         # queued) finishes or times out within this, so nothing is cut off mid-inference.
         graceful_shutdown_timeout_s=(cfg.admission.max_queue_wait_s
                                      + cfg.admission.inference_timeout_s + 5),
+        logging_config=logging_config,
     ).bind(raw, registry)
     return Ingress.options(
         num_replicas=dep.ingress_replicas,
         max_ongoing_requests=dep.ingress_max_ongoing_requests,
+        logging_config=logging_config,
     ).bind(raw, model, registry, idempotency)

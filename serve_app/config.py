@@ -182,6 +182,15 @@ class FakeConfig(_Section):
     max_seq_tokens: int = Field(2048, ge=2, description="Longest prompt + completion.")
 
 
+class LoggingConfig(_Section):
+    encoding: Literal["TEXT", "JSON"] = Field(
+        "TEXT", description="Replica log format: Ray Serve's text lines, or one JSON object "
+        "per line with every field (request id, estimated bytes, queue wait, memory).")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="INFO logs each request at arrival, admission, finish and lease "
+        "release; WARNING keeps only OOMs, faults and errors.")
+
+
 class AppArgs(_Section):
     """Everything under ``args:`` in a config's application entry."""
 
@@ -193,6 +202,7 @@ class AppArgs(_Section):
     fake: FakeConfig = FakeConfig()
     auth: AuthConfig = AuthConfig()
     idempotency: IdempotencyConfig = IdempotencyConfig()
+    logging: LoggingConfig = LoggingConfig()
 
     @model_validator(mode="after")
     def _check_task(self) -> AppArgs:

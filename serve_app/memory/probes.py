@@ -35,6 +35,16 @@ class DeviceProbe(Protocol):
     def peak_bytes(self) -> int:
         """Highest use since :meth:`start_peak`, bytes (absolute, not above the baseline)."""
 
+    def begin_request(self) -> None:
+        """Start measuring one request's peak (cheap: called before every inference)."""
+
+    def request_peak_bytes(self) -> int:
+        """Peak bytes above the use at :meth:`begin_request`."""
+
+    def memory_snapshot(self) -> dict[str, int]:
+        """Memory now, keyed by metric name (``device_allocated_bytes``,
+        ``device_reserved_bytes``, ``host_resident_bytes``: those the device has)."""
+
 
 def _proc_status_bytes(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -72,6 +82,7 @@ class HostMemoryProbe:
         self._available_at_start = psutil.virtual_memory().available
         libc_name = ctypes.util.find_library("c")
         self._libc = ctypes.CDLL(libc_name) if libc_name else None
+        self._request_baseline = 0
         self._can_reset_peak = self._reset_peak()
         source = ("memory.capacity_bytes" if capacity_override_bytes is not None
                   else f"{host_fraction:g} x available RAM")
@@ -85,6 +96,11 @@ class HostMemoryProbe:
         return int(self._available_at_start * self._host_fraction)
 
     def used_bytes(self) -> int:
+        return self.resident_bytes()
+
+    @staticmethod
+    def resident_bytes() -> int:
+        """This process's resident set (``VmRSS``), bytes."""
         return _proc_status_bytes("VmRSS")
 
     def start_peak(self) -> int:
@@ -93,6 +109,17 @@ class HostMemoryProbe:
 
     def peak_bytes(self) -> int:
         return _proc_status_bytes("VmHWM")
+
+    def begin_request(self) -> None:
+        # malloc_trim + clear_refs + two /proc reads: 0.09 ms with 200 MB resident (measured
+        # on the dev machine), small beside an inference.
+        self._request_baseline = self.start_peak()
+
+    def request_peak_bytes(self) -> int:
+        return max(0, self.peak_bytes() - self._request_baseline)
+
+    def memory_snapshot(self) -> dict[str, int]:
+        return {"host_resident_bytes": self.used_bytes()}
 
     def _reset_peak(self) -> bool:
         if self._libc is not None and hasattr(self._libc, "malloc_trim"):
@@ -128,6 +155,7 @@ class CudaMemoryProbe:
         free, total = torch.cuda.mem_get_info(device_index)
         self.free_at_start_bytes, self.total_bytes = free, total
         self.device = f"cuda:{device_index} ({torch.cuda.get_device_name(device_index)})"
+        self._request_baseline = 0
 
     def capacity_bytes(self) -> int:
         if self._capacity_override_bytes is not None:
@@ -146,3 +174,19 @@ class CudaMemoryProbe:
     def peak_bytes(self) -> int:
         self._torch.cuda.synchronize(self._index)
         return self._torch.cuda.max_memory_reserved(self._index)
+
+    def begin_request(self) -> None:
+        # No synchronize / empty_cache per request: the allocator's counters are host-side and
+        # updated at allocation time; allocated (not reserved) bytes are the request's own.
+        self._torch.cuda.reset_peak_memory_stats(self._index)
+        self._request_baseline = self._torch.cuda.memory_allocated(self._index)
+
+    def request_peak_bytes(self) -> int:
+        peak = self._torch.cuda.max_memory_allocated(self._index)
+        return max(0, peak - self._request_baseline)
+
+    def memory_snapshot(self) -> dict[str, int]:
+        cuda = self._torch.cuda
+        return {"device_allocated_bytes": cuda.memory_allocated(self._index),
+                "device_reserved_bytes": cuda.memory_reserved(self._index),
+                "host_resident_bytes": HostMemoryProbe.resident_bytes()}

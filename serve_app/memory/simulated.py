@@ -19,6 +19,8 @@ from __future__ import annotations
 import threading
 from types import TracebackType
 
+from serve_app.memory.probes import HostMemoryProbe
+
 GIB = 1 << 30
 MIB = 1 << 20
 
@@ -193,6 +195,7 @@ class SimulatedDeviceProbe:
         self._device = device
         self._share = share
         self.device = f"{device.name} ({device.capacity_bytes / GIB:.1f} GiB)"
+        self._request_baseline = 0
 
     def capacity_bytes(self) -> int:
         return int(self._device.capacity_bytes * self._share)
@@ -205,3 +208,13 @@ class SimulatedDeviceProbe:
 
     def peak_bytes(self) -> int:
         return self._device.peak_allocated_bytes
+
+    def begin_request(self) -> None:
+        self._request_baseline = self._device.reset_peak()
+
+    def request_peak_bytes(self) -> int:
+        return max(0, self._device.peak_allocated_bytes - self._request_baseline)
+
+    def memory_snapshot(self) -> dict[str, int]:
+        return {"device_allocated_bytes": self._device.allocated_bytes,
+                "host_resident_bytes": HostMemoryProbe.resident_bytes()}

@@ -1,0 +1,233 @@
+"""Every metric the service exports, declared once.
+
+Names carry the project prefix and their unit (``_bytes``, ``_seconds``, ``_total``); labels
+are bounded: ``deployment`` and ``replica`` on every series, plus ``outcome``, ``reason``,
+``route`` and ``status`` where listed. Histograms have explicit buckets.
+
+Each process (a model replica or an ingress replica) records into a :class:`ProcessMetrics`,
+which writes every value twice:
+
+- to a process-local ``prometheus_client`` registry, whose exposition the process publishes
+  to the app's registry actor; ``GET /metrics`` on any ingress replica merges those
+  expositions (:func:`merge_expositions`), so it shows the whole cluster, each series once,
+  whatever the number of ingress or model replicas;
+- to Ray's metrics API (``ray.util.metrics``), which every node's metrics agent exports to
+  Prometheus and the Ray dashboard (names there get Ray's ``ray_`` prefix:
+  ``ray_vramgate_budget_bytes``). Ray is imported lazily, so the module works without it.
+
+See docs/observability.md for what each metric means and the alert rules built on them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+logger = logging.getLogger(__name__)
+disable_created_metrics()  # no ``*_created`` series: they double every counter's families
+
+PREFIX = "vramgate"
+COMMON_LABELS = ("deployment", "replica")
+
+# Seconds: from 1 ms (a request admitted at once) to 60 s (the longest admission.max_queue_wait_s
+# and inference_timeout_s worth waiting for).
+SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0, 30.0, 60.0)
+# measured / estimated bytes of one request: 1.0 is a perfect price; above 1 the cost model
+# under-prices (the safety factor's margin is being used), below it over-prices.
+RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric: ``kind`` is ``counter``, ``gauge`` or ``histogram``; ``name`` excludes the
+    prefix (and, for counters, the ``_total`` suffix prometheus-client adds)."""
+
+    kind: str
+    name: str
+    description: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def full_name(self) -> str:
+        return f"{PREFIX}_{self.name}"
+
+    @property
+    def exported_names(self) -> tuple[str, ...]:
+        """The sample names Prometheus sees (what a query names)."""
+        base = self.full_name
+        if self.kind == "counter":
+            return (f"{base}_total",)
+        if self.kind == "histogram":
+            return (f"{base}_bucket", f"{base}_sum", f"{base}_count")
+        return (base,)
+
+
+def _gauge(name: str, description: str) -> MetricSpec:
+    return MetricSpec("gauge", name, description)
+
+
+SPECS: tuple[MetricSpec, ...] = (
+    # --- model replica: the budget and the queue (gauges, refreshed every publish period) ---
+    _gauge("budget_bytes", "The replica's byte budget now (after AIMD shrinks/regrowths)."),
+    _gauge("measured_budget_bytes", "The budget measured at start-up."),
+    _gauge("reserved_bytes", "Bytes leased to admitted requests."),
+    _gauge("free_bytes", "Budget bytes not leased."),
+    _gauge("queue_depth", "Requests waiting for a lease."),
+    _gauge("queued_bytes", "Bytes the waiting requests ask for."),
+    _gauge("cost_correction_factor", "Price multiplier learnt from OOMs (1 = as profiled)."),
+    _gauge("device_allocated_bytes",
+           "CUDA: torch.cuda.memory_allocated; simulated device: live allocations."),
+    _gauge("device_reserved_bytes",
+           "CUDA: torch.cuda.memory_reserved (the caching allocator's pool)."),
+    _gauge("host_resident_bytes", "The replica process's resident set (VmRSS)."),
+    # --- model replica: what happened -------------------------------------------------------
+    MetricSpec("counter", "admission_decisions",
+               "Admission decisions: outcome admitted (the request started on the device), "
+               "rejected or cancelled, with the reason.", ("outcome", "reason")),
+    MetricSpec("counter", "ooms", "Out-of-memory errors caught."),
+    MetricSpec("counter", "budget_shrinks", "Budget shrinks after an OOM (AIMD)."),
+    MetricSpec("counter", "budget_regrowths", "Budget regrowth steps after quiet periods."),
+    MetricSpec("counter", "device_faults", "Device faults (NaN/Inf canary, non-OOM CUDA "
+               "error); each gets the replica replaced."),
+    MetricSpec("histogram", "queue_wait_seconds",
+               "Wait for a lease and the inference thread, of admitted requests.",
+               buckets=SECONDS_BUCKETS),
+    MetricSpec("histogram", "inference_seconds", "Time on the inference thread per request.",
+               buckets=SECONDS_BUCKETS),
+    MetricSpec("histogram", "request_measured_over_estimated",
+               "Measured peak bytes / priced bytes per request (the cost model's honesty).",
+               buckets=RATIO_BUCKETS),
+    # --- ingress ----------------------------------------------------------------------------
+    MetricSpec("counter", "http_requests", "HTTP responses by route and status.",
+               ("route", "status")),
+    MetricSpec("histogram", "http_request_seconds", "HTTP request duration by route.",
+               ("route",), SECONDS_BUCKETS),
+    MetricSpec("counter", "idempotency_hits",
+               "Requests answered from another execution with the same Idempotency-Key: "
+               "outcome replayed (stored response) or coalesced (joined a running one).",
+               ("outcome",)),
+)
+SPECS_BY_NAME = {spec.name: spec for spec in SPECS}
+
+
+class ProcessMetrics:
+    """This process's metrics, labelled with its deployment and replica.
+
+    Args:
+        deployment: the Serve deployment name (``ModelServer``, ``Ingress``).
+        replica: the replica id (unique in the cluster).
+        use_ray: also record through ``ray.util.metrics`` (off in unit tests without Ray).
+    """
+
+    def __init__(self, deployment: str, replica: str, use_ray: bool = True) -> None:
+        self.common = {"deployment": deployment, "replica": replica}
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._local: dict[str, Any] = {}
+        self._ray: dict[str, Any] = {}
+        for spec in SPECS:
+            labels = COMMON_LABELS + spec.labels
+            if spec.kind == "counter":
+                metric = Counter(spec.full_name, spec.description, labels,
+                                 registry=self.registry)
+            elif spec.kind == "gauge":
+                metric = Gauge(spec.full_name, spec.description, labels,
+                               registry=self.registry)
+            else:
+                metric = Histogram(spec.full_name, spec.description, labels,
+                                   registry=self.registry, buckets=spec.buckets)
+            self._local[spec.name] = metric
+        if use_ray:
+            self._ray = _ray_metrics()
+
+    def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
+        tags = {**self.common, **labels}
+        self._local[name].labels(**tags).inc(value)
+        if name in self._ray:
+            self._ray[name].inc(value, tags)
+
+    def set(self, name: str, value: float, **labels: str) -> None:
+        tags = {**self.common, **labels}
+        self._local[name].labels(**tags).set(value)
+        if name in self._ray:
+            self._ray[name].set(value, tags)
+
+    def observe(self, name: str, value: float, **labels: str) -> None:
+        tags = {**self.common, **labels}
+        self._local[name].labels(**tags).observe(value)
+        if name in self._ray:
+            self._ray[name].observe(value, tags)
+
+    def exposition(self) -> str:
+        """This process's series in Prometheus text format."""
+        return generate_latest(self.registry).decode()
+
+
+_RAY_METRICS: dict[str, Any] | None = None
+
+
+def _ray_metrics() -> dict[str, Any]:
+    """One ``ray.util.metrics`` object per spec, per process (Ray aggregates by tags)."""
+    global _RAY_METRICS
+    if _RAY_METRICS is None:
+        from ray.util import metrics as ray_metrics
+
+        made: dict[str, Any] = {}
+        for spec in SPECS:
+            tag_keys = COMMON_LABELS + spec.labels
+            if spec.kind == "counter":
+                made[spec.name] = ray_metrics.Counter(spec.full_name, spec.description,
+                                                      tag_keys)
+            elif spec.kind == "gauge":
+                made[spec.name] = ray_metrics.Gauge(spec.full_name, spec.description, tag_keys)
+            else:
+                made[spec.name] = ray_metrics.Histogram(spec.full_name, spec.description,
+                                                        list(spec.buckets), tag_keys)
+        _RAY_METRICS = made
+    return _RAY_METRICS
+
+
+def merge_expositions(texts: Iterable[str]) -> str:
+    """Merge the expositions of several processes into one (families joined by name).
+
+    Each process labels its series with its own ``replica``, so no series appears twice; a
+    family's help and type come from its first appearance.
+
+    Raises:
+        ValueError: a text is not valid Prometheus exposition.
+    """
+    families: dict[str, Metric] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            merged = families.get(family.name)
+            if merged is None:
+                families[family.name] = family
+            else:
+                merged.samples.extend(family.samples)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(list(families.values())))
+    return generate_latest(registry).decode()
+
+
+class _Families:
+    """A prometheus-client collector that yields already-built families."""
+
+    def __init__(self, families: Sequence[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return iter(self._families)
