@@ -95,6 +95,7 @@ def test_openai_client_completions_and_stream(app, client):
     ({"prompt": ""}, "prompt"),
     ({"prompt": "fox " * 100}, "prompt"),
     ({"temperature": -1}, "temperature"),
+    ({"temperature": False}, "temperature"),  # no JSON number (found by test_openapi_fuzz)
     ({"top_p": 0}, "top_p"),
     ({"n": 2}, "n"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),

@@ -123,6 +123,13 @@ def test_unknown_routes_and_other_tasks_are_404_model_not_found(client):
         assert response.json()["error"]["code"] == "model_not_found"
 
 
+def test_a_wrong_method_is_405_listing_the_allowed_ones(client):
+    response = client.request("TRACE", "/v1/embeddings")  # found by test_openapi_fuzz
+    assert response.status_code == 405
+    assert response.headers["allow"] == "POST"
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
 def test_status_and_probes(client):
     assert client.get("/healthz").json() == {"status": "ok"}
     assert client.get("/readyz").json()["status"] == "ready"
