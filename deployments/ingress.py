@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deployments.engines.base import GenerationParams
 from deployments.http_metrics import HttpMetricsMiddleware
+from deployments.pricing import IngressPricer
 from deployments.registry import PUBLISH_PERIOD_S
 from serve_app.admission.drain import retry_after_s
 from serve_app.config import parse_args
@@ -198,6 +199,7 @@ class Ingress:
         self._metrics = ProcessMetrics(context.deployment if context else "Ingress",
                                        self._replica_id)
         self._publisher = asyncio.get_running_loop().create_task(self._publish_metrics())
+        self._pricer = await asyncio.to_thread(IngressPricer, self._args)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         """Ray Serve calls this after ``__init__``; the routes close over this replica."""
@@ -243,7 +245,8 @@ class Ingress:
             raise InvalidRequestError(
                 f"{len(texts)} inputs; the limit is {self._args.limits.max_inputs}",
                 code="input")
-        result: EmbeddingResult = await self._call_deployment(self._model.embed, texts)
+        result: EmbeddingResult = await self._call_deployment(
+            self._model.embed, texts, estimated_bytes=await self._estimated_bytes(texts))
         vectors = _fit_dimensions(result.embeddings, body.dimensions)
         data = [{"object": "embedding", "index": i,
                  "embedding": _encode(vector, body.encoding_format)}
@@ -275,8 +278,9 @@ class Ingress:
 
     async def _completion(self, body: CompletionRequest, params: GenerationParams,
                           completion_id: str, created: int) -> JSONResponse:
-        result: CompletionResult = await self._call_deployment(self._model.complete, body.prompt,
-                                                          params)
+        result: CompletionResult = await self._call_deployment(
+            self._model.complete, body.prompt, params,
+            estimated_bytes=await self._estimated_bytes([body.prompt], params.max_tokens))
         return JSONResponse({
             "id": completion_id, "object": "text_completion", "created": created,
             "model": self._args.model.name,
@@ -291,7 +295,9 @@ class Ingress:
                                  completion_id: str, created: int) -> StreamingResponse:
         """Admission errors come before the first byte, as ordinary HTTP errors; anything
         after it goes in-band as a final ``data: {"error": ...}`` event, then ``[DONE]``."""
-        stream = self._model.options(stream=True).complete_stream.remote(prompt, params)
+        stream = self._model.options(stream=True).complete_stream.remote(
+            prompt, params,
+            estimated_bytes=await self._estimated_bytes([prompt], params.max_tokens))
         first = await self._call_deployment(lambda: stream.__anext__())
 
         def chunk(text: str, finish_reason: str | None) -> str:
@@ -409,12 +415,28 @@ class Ingress:
         await self._call_deployment(self._idempotency.finish, key, _stored(response))
         return response
 
-    async def _call_deployment(self, method: Any, *args: Any) -> Any:
+    async def _estimated_bytes(self, texts: list[str], new_tokens: int = 0) -> int | None:
+        """This request's price for the budget-aware router (:mod:`deployments.pricing`):
+        ``texts`` embedded in one batch, or one prompt and ``new_tokens`` to generate.
+        ``None`` (the router then ranks by queued bytes) while no replica has published a cost
+        model, or if the tokenizer fails on the text: the replica, which prices again,
+        decides what to do with it."""
+        statuses = await self._replica_statuses()
+        try:
+            counts = await asyncio.to_thread(self._pricer.count_tokens, texts)
+        except Exception:  # a hint only: the replica counts again and answers the error
+            logger.debug("could not count tokens at the ingress", exc_info=True)
+            return None
+        batch = 1 if new_tokens else len(texts)
+        return IngressPricer.price(statuses, batch, max(counts, default=0), new_tokens)
+
+    async def _call_deployment(self, method: Any, *args: Any, **kwargs: Any) -> Any:
         """Call ``method`` (a deployment handle's method, or any coroutine function); any
         failure leaves as a typed error (Ray's back-pressure and unavailability included), so
         FastAPI's handlers render it."""
         try:
-            call = method.remote(*args) if hasattr(method, "remote") else method(*args)
+            call = (method.remote(*args, **kwargs) if hasattr(method, "remote")
+                    else method(*args, **kwargs))
             return await call
         except ServeAppError:
             raise

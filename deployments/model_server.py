@@ -20,6 +20,7 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments.autoscaling import replica_autoscaling_stats
 from deployments.engines.base import GenerationParams
 from deployments.inference import InferenceThread
 from deployments.profiling import measure_replica
@@ -84,8 +85,12 @@ class ModelServer:
         self._publisher = loop.create_task(self._publish_forever()) if registry else None
         logger.info("model replica ready: %s", self._memory)
 
-    async def embed(self, texts: list[str]) -> EmbeddingResult:
+    async def embed(self, texts: list[str],
+                    estimated_bytes: int | None = None) -> EmbeddingResult:
         """Embed ``texts`` (1..limits.max_inputs strings) once admitted.
+
+        ``estimated_bytes`` is the caller's price, read only by the request router
+        (:mod:`deployments.router`); the replica prices the request itself.
 
         Raises:
             ModelNotFoundError: this replica serves another task (404).
@@ -108,7 +113,8 @@ class ModelServer:
         return EmbeddingResult(embeddings, sum(token_counts),
                                _admitted(admitted, thread_wait_s), self._replica_id)
 
-    async def complete(self, prompt: str, params: GenerationParams) -> CompletionResult:
+    async def complete(self, prompt: str, params: GenerationParams,
+                       estimated_bytes: int | None = None) -> CompletionResult:
         """Complete ``prompt`` once admitted; priced by prompt tokens + ``max_tokens``.
 
         Raises: as :meth:`embed`, with ``prompt`` / ``max_tokens`` as the offending fields.
@@ -119,8 +125,9 @@ class ModelServer:
         return CompletionResult(output.text, output.finish_reason, prompt_tokens,
                                 output.completion_tokens, _admitted(admitted, thread_wait_s))
 
-    async def complete_stream(self, prompt: str,
-                              params: GenerationParams) -> AsyncIterator[dict[str, Any]]:
+    async def complete_stream(self, prompt: str, params: GenerationParams,
+                              estimated_bytes: int | None = None,
+                              ) -> AsyncIterator[dict[str, Any]]:
         """Stream a completion: first ``{"admitted": Admitted}`` once the lease is held, then
         ``{"text": piece}`` items, then ``{"finish_reason", "prompt_tokens",
         "completion_tokens"}``. Errors before the first item are the same as :meth:`complete`;
@@ -254,6 +261,19 @@ class ModelServer:
             "budget_regrow_count": self._aimd.regrow_count if self._aimd else 0,
             "updated_at": time.time(),
         }
+
+    async def record_routing_stats(self) -> dict[str, float]:
+        """Ray Serve polls this every ``deployment.routing_stats_period_s`` for the request
+        router (:mod:`deployments.router`): the gate's figures now, and when they were taken."""
+        budget, queue = self._gate.budget, self._gate.queue
+        return {"budget_bytes": budget.budget_bytes, "reserved_bytes": budget.reserved_bytes,
+                "free_bytes": budget.free_bytes, "queue_depth": queue.queue_depth,
+                "queued_bytes": queue.queued_bytes, "measured_at_unix_s": time.time()}
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray Serve samples this for the queue autoscaling policy
+        (:mod:`deployments.autoscaling`) when the deployment autoscales."""
+        return replica_autoscaling_stats(await self.status())
 
     async def _publish_forever(self) -> None:
         """Every publish period: regrow the budget if due, refresh the gauges, and send the

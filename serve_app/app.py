@@ -7,11 +7,13 @@ from typing import Any
 
 from ray.serve import Application
 
+from deployments.autoscaling import QUEUE_POLICY_CLASS_PATH
 from deployments.idempotency import IdempotencyStore
 from deployments.ingress import Ingress
 from deployments.model_server import ModelServer
 from deployments.registry import ReplicaRegistry
-from serve_app.config import parse_args
+from deployments.router import ROUTER_CLASS_PATH
+from serve_app.config import AppArgs, parse_args
 from serve_app.planning import plan_deployment
 
 logger = logging.getLogger(__name__)
@@ -39,7 +41,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     registry = ReplicaRegistry.bind()
     idempotency = IdempotencyStore.bind(cfg.idempotency.ttl_s, cfg.idempotency.max_entries)
     model = ModelServer.options(
-        num_replicas=dep.num_replicas,
+        **_scaling_options(cfg),
         max_ongoing_requests=plan.max_ongoing_requests,
         max_queued_requests=plan.max_queued_requests,
         ray_actor_options={"num_gpus": plan.num_gpus, "num_cpus": dep.num_cpus},
@@ -59,3 +61,31 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         max_ongoing_requests=dep.ingress_max_ongoing_requests,
         logging_config=logging_config,
     ).bind(raw, model, registry, idempotency)
+
+
+def _scaling_options(cfg: AppArgs) -> dict[str, Any]:
+    """How many model replicas and how requests reach them: a fixed ``num_replicas``, or
+    autoscaling on the admission queue (:mod:`deployments.autoscaling`: Ray's own delays are
+    0 because the policy applies ``upscale_delay_s`` / ``downscale_delay_s`` itself); and the
+    budget-aware request router (:mod:`deployments.router`) unless ``request_router: pow2``.
+    """
+    dep = cfg.deployment
+    options: dict[str, Any] = {}
+    if dep.request_router == "budget":
+        options["request_router_config"] = {
+            "request_router_class": ROUTER_CLASS_PATH,
+            "request_routing_stats_period_s": dep.routing_stats_period_s,
+            "request_routing_stats_timeout_s": max(5.0, 2 * dep.routing_stats_period_s)}
+    if not dep.autoscaling:
+        return {**options, "num_replicas": dep.num_replicas}
+    options["autoscaling_config"] = {
+        "min_replicas": dep.min_replicas or 1, "max_replicas": dep.max_replicas,
+        "initial_replicas": dep.num_replicas,
+        "upscale_delay_s": 0, "downscale_delay_s": 0,
+        "metrics_interval_s": dep.autoscaling_metrics_interval_s,
+        "look_back_period_s": dep.autoscaling_look_back_s,
+        "policy": {"policy_function": QUEUE_POLICY_CLASS_PATH, "policy_kwargs": {
+            "max_queue_len": cfg.admission.max_queue_len,
+            "upscale_delay_s": dep.upscale_delay_s,
+            "downscale_delay_s": dep.downscale_delay_s}}}
+    return options

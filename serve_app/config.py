@@ -108,7 +108,28 @@ class LimitsConfig(_Section):
 
 
 class DeploymentConfig(_Section):
-    num_replicas: int = Field(1, ge=1, description="Model replicas.")
+    num_replicas: int = Field(1, ge=1, description="Model replicas (the initial count when "
+                              "autoscaling).")
+    min_replicas: int | None = Field(
+        None, ge=1, description="Autoscaling: fewest model replicas. Autoscaling is on when "
+        "`max_replicas` is set.")
+    max_replicas: int | None = Field(
+        None, ge=1, description="Autoscaling on the admission queue: most model replicas.")
+    upscale_delay_s: float = Field(
+        10.0, ge=0, description="Autoscaling: how long the queue must ask for more replicas "
+        "before they are added.")
+    downscale_delay_s: float = Field(
+        300.0, ge=0, description="Autoscaling: how long demand must stay below capacity "
+        "before a replica is removed (one at a time, each drained).")
+    autoscaling_metrics_interval_s: float = Field(
+        10.0, gt=0, description="How often replicas report queue and bytes to the autoscaler.")
+    autoscaling_look_back_s: float = Field(
+        30.0, gt=0, description="The window the autoscaler averages reports over.")
+    request_router: Literal["budget", "pow2"] = Field(
+        "budget", description="`budget`: requests go to the replica whose free bytes fit "
+        "them, then the least queued bytes; `pow2`: Ray Serve's default power of two choices.")
+    routing_stats_period_s: float = Field(
+        1.0, gt=0, description="How often each replica reports its budget to the routers.")
     num_gpus: float = Field(
         0.0, ge=0, le=1, description="GPU share per model replica (fractional allowed); its "
         "budget is that share of the card. 0 = CPU replica.")
@@ -127,6 +148,26 @@ class DeploymentConfig(_Section):
         "and forwards, so it is set high: waiting belongs in the model replicas' queues.")
     health_check_period_s: float = Field(10.0, gt=0, description="Ray Serve health checks.")
     health_check_timeout_s: float = Field(30.0, gt=0, description="Ray Serve health checks.")
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.max_replicas is not None
+
+    @model_validator(mode="after")
+    def _check_replica_bounds(self) -> DeploymentConfig:
+        if self.min_replicas is not None and self.max_replicas is None:
+            raise ValueError("deployment.min_replicas is set but deployment.max_replicas is "
+                             "not: set both to autoscale")
+        if self.max_replicas is not None:
+            low = self.min_replicas or 1
+            if not low <= self.num_replicas <= self.max_replicas:
+                raise ValueError(
+                    f"deployment.num_replicas={self.num_replicas} (the initial count) must lie "
+                    f"within min_replicas={low} .. max_replicas={self.max_replicas}")
+        if self.autoscaling_look_back_s <= self.autoscaling_metrics_interval_s:
+            raise ValueError("deployment.autoscaling_look_back_s must exceed "
+                             "deployment.autoscaling_metrics_interval_s")
+        return self
 
 
 class AuthConfig(_Section):

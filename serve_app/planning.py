@@ -56,7 +56,9 @@ class DeploymentPlan:
             (or ``deployment.max_ongoing_requests`` when set), so waiting happens in the
             replica's FIFO (which prices and times out) rather than unseen at the caller.
         max_queued_requests: Ray Serve's bound on requests waiting at each caller (the
-            ingress) for a free slot: ``admission.max_queue_len x num_replicas``. Beyond it the
+            ingress) for a free slot: ``admission.max_queue_len x num_replicas`` (``x
+            max_replicas`` when autoscaling: the queue the grown deployment holds, so a burst
+            waits at the handle while replicas are added instead of being refused). Beyond it the
             caller gets Ray's back-pressure error, answered as 503 ``queue_full``; without it
             such requests would wait unbounded and unseen.
         max_running_estimate: requests a replica runs at once: ``admission.semaphore_permits``
@@ -212,7 +214,8 @@ def _plan(args: AppArgs, running_by_memory: int, how: str, budget_bytes: int | N
     return DeploymentPlan(
         num_gpus=args.deployment.num_gpus,
         max_ongoing_requests=max(1, min(MAX_ONGOING_REQUESTS_CAP, running + queue)),
-        max_queued_requests=max(1, queue * args.deployment.num_replicas),
+        max_queued_requests=max(1, queue * (args.deployment.max_replicas
+                                            or args.deployment.num_replicas)),
         max_running_estimate=running, how=how, budget_bytes=budget_bytes,
         request_bytes=request_bytes)
 

@@ -1,0 +1,140 @@
+"""Multi-node scenario on ``ray.cluster_utils.Cluster`` (run as a script, in its own process:
+it owns its Ray cluster; ``tests/e2e/test_multinode.py`` runs it and checks what it prints).
+
+A head node (no GPU: the Serve controller, proxy, ingress and registry) and two worker nodes
+each declaring one GPU; four model replicas of ``num_gpus: 0.5`` on the fake engine. Steps:
+
+1. the replicas spread over both workers and both serve traffic;
+2. under load, one worker node is killed: every request gets 200, 503 or 504 (none hangs:
+   the client timeout is far above ``max_queue_wait_s + inference_timeout_s``), and the
+   surviving replicas keep serving;
+3. a worker node with one GPU joins again: the deployment is back to four replicas.
+
+Prints one JSON object on its last stdout line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+import httpx
+import ray
+from ray import serve
+from ray.cluster_utils import Cluster
+
+from serve_app.app import build_app
+from tests.support import MiB, fake_app_args, free_port, wait_until_ready
+
+CLIENT_TIMEOUT_S = 60.0
+
+
+def _args() -> dict[str, Any]:
+    return fake_app_args(
+        fake={"latency_per_token_s": 0.005, "bytes_per_token": MiB},
+        memory={"budget_bytes": 64 * MiB},
+        limits={"max_inputs": 1, "max_input_tokens": 32, "max_tokens": 4},
+        deployment={"num_replicas": 4, "num_gpus": 0.5, "num_cpus": 0.5,
+                    "health_check_period_s": 1, "health_check_timeout_s": 5},
+        admission={"max_queue_len": 16, "max_queue_wait_s": 5, "inference_timeout_s": 10})
+
+
+def _replicas(base_url: str) -> list[dict[str, Any]]:
+    return httpx.get(f"{base_url}/v1/status", timeout=10).json()["replicas"]
+
+
+def _wait_for_replicas(base_url: str, count: int, timeout_s: float) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        replicas = _replicas(base_url)
+        if len(replicas) == count:
+            return replicas
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(replicas)} replicas after {timeout_s} s, wanted {count}")
+        time.sleep(1)
+
+
+async def _load(base_url: str, stop: asyncio.Event, outcomes: Counter) -> None:
+    async with httpx.AsyncClient(base_url=base_url, timeout=CLIENT_TIMEOUT_S) as http:
+
+        async def client(i: int) -> None:
+            while not stop.is_set():
+                try:
+                    response = await http.post("/v1/embeddings",
+                                               json={"input": " ".join(["w"] * (5 + i))})
+                    key = str(response.status_code)
+                    if response.status_code == 503:
+                        if "retry-after" not in response.headers:
+                            key += " without Retry-After"
+                        await asyncio.sleep(0.2)
+                except httpx.TimeoutException:
+                    key = "client timeout"
+                except httpx.HTTPError as exc:
+                    key = f"transport error {type(exc).__name__}"
+                outcomes[key] += 1
+
+        await asyncio.gather(*(client(i) for i in range(8)))
+
+
+async def _phase(base_url: str, seconds: float, during=None) -> Counter:
+    outcomes: Counter = Counter()
+    stop = asyncio.Event()
+    load = asyncio.create_task(_load(base_url, stop, outcomes))
+    if during is not None:
+        await asyncio.sleep(1.0)
+        await asyncio.to_thread(during)
+    await asyncio.sleep(seconds)
+    stop.set()
+    await load
+    return outcomes
+
+
+def main() -> dict[str, Any]:
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 2, "num_gpus": 0,
+                                      "object_store_memory": 128 * MiB})
+    workers = [cluster.add_node(num_cpus=2, num_gpus=1, object_store_memory=128 * MiB)
+               for _ in range(2)]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "HeadOnly"})
+    base_url = f"http://127.0.0.1:{port}"
+    result: dict[str, Any] = {}
+    try:
+        serve.run(build_app(_args()), name="vramgate", route_prefix="/", blocking=False)
+        wait_until_ready(base_url, timeout_s=240)
+        replicas = _wait_for_replicas(base_url, 4, 120)
+        worker_ids = {w.node_id for w in workers}
+        result["replica_nodes"] = sorted(r["node_id"] for r in replicas)
+        result["workers"] = sorted(worker_ids)
+        result["steady"] = dict(asyncio.run(_phase(base_url, 4.0)))
+        served = {r["node_id"] for r in _replicas(base_url) if r["inferences_total"] > 0}
+        result["nodes_that_served"] = sorted(served)
+        killed = workers[0]
+        result["killed"] = killed.node_id
+        started = time.monotonic()
+        result["kill"] = dict(asyncio.run(_phase(
+            base_url, 8.0, during=lambda: cluster.remove_node(killed, allow_graceful=False))))
+        survivors = _wait_for_replicas(base_url, 2, 60)
+        result["survivor_nodes"] = sorted({r["node_id"] for r in survivors})
+        result["after_kill"] = dict(asyncio.run(_phase(base_url, 3.0)))
+        cluster.add_node(num_cpus=2, num_gpus=1, object_store_memory=128 * MiB)
+        back = _wait_for_replicas(base_url, 4, 180)
+        result["restored_s"] = round(time.monotonic() - started, 1)
+        result["restored_nodes"] = len({r["node_id"] for r in back})
+        result["after_restore"] = dict(asyncio.run(_phase(base_url, 3.0)))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+    return result
+
+
+if __name__ == "__main__":
+    outcome = main()
+    sys.stdout.write("\n" + json.dumps(outcome) + "\n")
