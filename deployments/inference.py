@@ -114,9 +114,13 @@ class InferenceThread:
             self.total += ran
             if job.started_at is not None:
                 self._metrics.observe("inference_seconds", job.duration_s)
-            if error is None and job.started_at is not None and admission.lease.nbytes > 0:
+            if ran and admission.lease.nbytes > 0 and (
+                    error is None or isinstance(error, torch.OutOfMemoryError)):
+                # An OOM'd request counts with what it needed at least: leaving it out would
+                # hide the worst under-prices.
+                measured = job.peak_bytes if error is None else job.oom_needed_bytes
                 self._metrics.observe("request_measured_over_estimated",
-                                      job.peak_bytes / admission.lease.nbytes)
+                                      measured / admission.lease.nbytes)
 
         future.add_done_callback(finished)
         return future, job

@@ -31,7 +31,7 @@ from serve_app.admission.policy import AdmissionPolicy
 from serve_app.config import parse_args
 from serve_app.errors import InvalidRequestError, ModelNotFoundError, ServeAppError
 from serve_app.memory.cost_model import CorrectedCostModel
-from serve_app.metrics import ProcessMetrics
+from serve_app.metrics import REPLICA_EVENT_COUNTERS, ProcessMetrics
 from serve_app.schemas import Admitted, CompletionResult, EmbeddingResult
 
 logger = logging.getLogger("ray.serve")
@@ -73,7 +73,7 @@ class ModelServer:
         context = serve.get_replica_context()
         self._replica_id = context.replica_id.unique_id if context else "local"
         self._metrics = ProcessMetrics(context.deployment if context else "ModelServer",
-                                       self._replica_id)
+                                       self._replica_id, zeroed=REPLICA_EVENT_COUNTERS)
         self._probe = measured.probe
         self._inference = InferenceThread(executor, self._engine, measured.probe, self._gate,
                                           self._cost_model, self._aimd, adm, self._metrics)

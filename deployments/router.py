@@ -34,6 +34,7 @@ Reservation life cycle, per request with a known price:
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -116,7 +117,8 @@ class BudgetAwareRequestRouter(RequestRouter):
             nbytes = estimated_bytes_from_kwargs(pending_request.kwargs)
             self._withdraw_tentative(pending_request)  # never count a request against itself
         tiers = rank_replicas(stats, nbytes, self._budget_state.pending_by_replica(),
-                              self._local_node_id)
+                              self._local_node_id,
+                              tie_break={r: random.random() for r in by_id})
         order = [replica_id for tier in tiers for replica_id in tier]
         if pending_request is not None and nbytes is not None and order:
             self._reserve_tentatively(pending_request, order[0], nbytes)

@@ -45,7 +45,7 @@ COMMON_LABELS = ("deployment", "replica")
 # Seconds: from 1 ms (a request admitted at once) to 60 s (the longest admission.max_queue_wait_s
 # and inference_timeout_s worth waiting for).
 SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                   10.0, 30.0, 60.0)
+                   7.5, 10.0, 30.0, 60.0)  # 7.5: a p99 near the default 10 s wait limit
 # measured / estimated bytes of one request: 1.0 is a perfect price; above 1 the cost model
 # under-prices (the safety factor's margin is being used), below it over-prices.
 RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
@@ -123,6 +123,8 @@ SPECS: tuple[MetricSpec, ...] = (
                ("outcome",)),
 )
 SPECS_BY_NAME = {spec.name: spec for spec in SPECS}
+#: The model replica's event counters, exported at 0 from its start.
+REPLICA_EVENT_COUNTERS = ("ooms", "budget_shrinks", "budget_regrowths", "device_faults")
 
 
 class ProcessMetrics:
@@ -132,9 +134,12 @@ class ProcessMetrics:
         deployment: the Serve deployment name (``ModelServer``, ``Ingress``).
         replica: the replica id (unique in the cluster).
         use_ray: also record through ``ray.util.metrics`` (off in unit tests without Ray).
+        zeroed: counters (names without labels beyond the common ones) exported at 0 from the
+            start, so that their first increment shows in ``rate()`` / ``increase()``.
     """
 
-    def __init__(self, deployment: str, replica: str, use_ray: bool = True) -> None:
+    def __init__(self, deployment: str, replica: str, use_ray: bool = True,
+                 zeroed: tuple[str, ...] = ()) -> None:
         self.common = {"deployment": deployment, "replica": replica}
         self.registry = CollectorRegistry(auto_describe=True)
         self._local: dict[str, Any] = {}
@@ -153,6 +158,8 @@ class ProcessMetrics:
             self._local[spec.name] = metric
         if use_ray:
             self._ray = _ray_metrics()
+        for name in zeroed:  # locally only: Ray's Counter.inc refuses 0
+            self._local[name].labels(**self.common).inc(0)
 
     def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
         tags = {**self.common, **labels}

@@ -261,7 +261,8 @@ def headroom_bytes(stats: ReplicaStats, reserved_ahead_bytes: int) -> int | None
 
 def rank_replicas(stats: Sequence[ReplicaStats], request_bytes: int | None,
                   reservations: Mapping[str, int],
-                  local_node_id: str | None = None) -> list[list[str]]:
+                  local_node_id: str | None = None,
+                  tie_break: Mapping[str, float] | None = None) -> list[list[str]]:
     """Rank replicas for one request; returns ``[fitting, rest]`` (each possibly empty).
 
     Every replica in ``stats`` appears exactly once: the replica decides (it queues or
@@ -282,6 +283,10 @@ def rank_replicas(stats: Sequence[ReplicaStats], request_bytes: int | None,
         reservations: ``{replica_id: bytes}`` reserved by this router and not yet in that
             replica's report (:meth:`BudgetRouterState.pending_by_replica`); absent = 0.
         local_node_id: the router's Ray node; replicas there win ties.
+        tie_break: ``{replica_id: number}`` ordering replicas that tie on everything else,
+            before their ids ("replica id" above); the router passes fresh random numbers so
+            that equally idle replicas share sequential traffic instead of the lowest id
+            taking all of it. Default: by id only.
 
     Raises:
         ValueError: a negative ``request_bytes`` or a duplicate replica id.
@@ -291,17 +296,18 @@ def rank_replicas(stats: Sequence[ReplicaStats], request_bytes: int | None,
     if len({s.replica_id for s in stats}) != len(stats):
         raise ValueError("duplicate replica ids in stats")
 
-    def remote(s: ReplicaStats) -> int:
-        return 0 if local_node_id is not None and s.node_id == local_node_id else 1
+    def remote(s: ReplicaStats) -> tuple[int, float, str]:  # then the tie-break, then id
+        return (0 if local_node_id is not None and s.node_id == local_node_id else 1,
+                (tie_break or {}).get(s.replica_id, 0.0), s.replica_id)
 
     def ahead(s: ReplicaStats) -> int:
         return (s.queued_bytes or 0) + reservations.get(s.replica_id, 0)
 
     known = [s for s in stats if s.known]
     unknown = sorted((s for s in stats if not s.known),
-                     key=lambda s: (reservations.get(s.replica_id, 0), remote(s), s.replica_id))
+                     key=lambda s: (reservations.get(s.replica_id, 0), remote(s)))
     if request_bytes is None:
-        rest = sorted(known, key=lambda s: (ahead(s), remote(s), s.replica_id))
+        rest = sorted(known, key=lambda s: (ahead(s), remote(s)))
         return [[], [s.replica_id for s in rest + unknown]]
 
     def fits(s: ReplicaStats) -> bool:
@@ -309,11 +315,11 @@ def rank_replicas(stats: Sequence[ReplicaStats], request_bytes: int | None,
         return headroom is not None and headroom >= request_bytes
 
     fitting = sorted((s for s in known if fits(s)),
-                     key=lambda s: (ahead(s), remote(s), s.replica_id))
+                     key=lambda s: (ahead(s), remote(s)))
     rest = sorted((s for s in known if not fits(s)),
                   key=lambda s: (Fraction(ahead(s), s.budget_bytes or 1),
                                  -(headroom_bytes(s, reservations.get(s.replica_id, 0)) or 0),
-                                 remote(s), s.replica_id))
+                                 remote(s)))
     return [[s.replica_id for s in fitting], [s.replica_id for s in rest + unknown]]
 
 

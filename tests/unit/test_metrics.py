@@ -57,3 +57,11 @@ def test_two_processes_merge_into_one_exposition_without_doubling() -> None:
 def test_a_malformed_exposition_is_refused() -> None:
     with pytest.raises(ValueError):
         merge_expositions(["vramgate_x{not valid\n"])
+
+
+def test_zeroed_counters_are_exported_at_zero_from_the_start() -> None:
+    metrics = ProcessMetrics("ModelServer", "r0", use_ray=False, zeroed=("ooms",))
+    families = {f.name: f for f in text_string_to_metric_families(metrics.exposition())}
+    [ooms] = families["vramgate_ooms"].samples
+    assert ooms.value == 0 and ooms.labels == {"deployment": "ModelServer", "replica": "r0"}
+    assert families["vramgate_device_faults"].samples == []  # not asked for

@@ -370,8 +370,9 @@ async def test_adapter_moves_the_reservation_to_the_replica_ray_picked() -> None
     replicas = [StatsReplica("a", _report(100 * MB)), StatsReplica("b", _report(50 * MB))]
     router = _router(replicas)
     pr = _request("r1", 30 * MB)
-    assert _ids(await router.choose_replicas(replicas, pr)) == [["a"], ["b"]]
-    pr.future.set_result(replicas[1])                  # "a" was full at Ray's queue check
+    # Both fit with nothing ahead: a tie, broken at random.
+    assert sorted(_ids(await router.choose_replicas(replicas, pr))) == [["a"], ["b"]]
+    pr.future.set_result(replicas[1])  # Ray sent it to "b" (e.g. "a" was full at Ray's check)
     await asyncio.sleep(0)
     assert _pending(router) == {"b": 30 * MB}
     router.on_request_completed(replicas[1].replica_id, "r1")
@@ -434,3 +435,14 @@ async def test_ray_loads_the_router_from_its_config_path_and_builds_it_as_ray_do
     router.update_replicas(replicas)
     assert _ids(await router.choose_replicas(replicas, _request("r1", 20 * MB))) == \
         [["b"], ["a"]]
+
+
+def test_a_tie_break_orders_replicas_equal_on_everything_else() -> None:
+    idle = [ReplicaStats("a", "n1", 100 * MB, 0, 100 * MB, 0, 0, 0.0),
+            ReplicaStats("b", "n1", 100 * MB, 0, 100 * MB, 0, 0, 0.0)]
+    assert rank_replicas(idle, 10 * MB, {}, None) == [["a", "b"], []]
+    assert rank_replicas(idle, 10 * MB, {}, None, tie_break={"a": 0.9, "b": 0.1}) == [
+        ["b", "a"], []]
+    # It never outranks a real difference: bytes ahead come first.
+    assert rank_replicas(idle, 10 * MB, {"b": 5 * MB}, None,
+                         tie_break={"a": 0.9, "b": 0.1}) == [["a", "b"], []]
