@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -79,17 +79,23 @@ class InferenceThread:
 
     # --- running work --------------------------------------------------------------------
 
-    def start(self, admission: Admission, work: Callable[[], Any]) -> tuple[asyncio.Future, _Job]:
-        """Queue ``work`` for the thread. The lease is released when the thread is done with
-        it, whatever happens to the caller meanwhile (timeout, cancellation); work whose
-        caller left before the thread reached it is skipped. The OOM and device-fault
-        bookkeeping happens here too, so it also runs for work nobody waits for any more."""
+    def start(self, admissions: Admission | Sequence[Admission],
+              work: Callable[[], Any]) -> tuple[asyncio.Future, _Job]:
+        """Queue ``work`` for the thread: one request's, or one batch's (``admissions``: its
+        members, whose leases together cover the batch's price). The leases are released when
+        the thread is done with the work, whatever happens to the callers meanwhile (timeout,
+        cancellation); work whose callers left before the thread reached it is skipped. The
+        OOM and device-fault bookkeeping happens here too, so it also runs for work nobody
+        waits for any more."""
+        members = _members(admissions)
+        leased_bytes = sum(m.lease.nbytes for m in members)
         loop = asyncio.get_running_loop()
         job = _Job(work, loop, self)
         try:
             future = loop.run_in_executor(self._executor, job)
         except BaseException:
-            self._gate.release(admission.lease, ran=False)
+            for member in members:
+                self._gate.release(member.lease, ran=False)
             raise
         self.running += 1
 
@@ -100,85 +106,99 @@ class InferenceThread:
             error = None if done.cancelled() else done.exception()
             ran = job.started_at is not None
             if isinstance(error, torch.OutOfMemoryError):
-                self._after_oom(admission.lease.nbytes, job)  # before the bytes go back
+                self._after_oom(leased_bytes, job)  # before the bytes go back
             elif error is not None and is_device_fault(error):
                 self.mark_device_fault(str(error))
-            if ran:
-                outcome = "ok" if error is None else (
-                    "oom" if isinstance(error, torch.OutOfMemoryError) else type(error).__name__)
-                self.log_event("finished", admission.lease.nbytes, outcome=outcome,
-                               inference_s=round(job.duration_s, 4),
-                               peak_bytes=job.peak_bytes)
-            self._gate.release(admission.lease, ran=ran)
-            self.log_event("lease released", admission.lease.nbytes, ran=ran)
+            outcome = "ok" if error is None else (
+                "oom" if isinstance(error, torch.OutOfMemoryError) else type(error).__name__)
+            for member in members:
+                if ran:
+                    self.log_event("finished", member.lease.nbytes, member.request_id,
+                                   outcome=outcome, batch=len(members),
+                                   inference_s=round(job.duration_s, 4),
+                                   peak_bytes=job.peak_bytes)
+                self._gate.release(member.lease, ran=ran)
+                self.log_event("lease released", member.lease.nbytes, member.request_id,
+                               ran=ran, batch=len(members))
             self.total += ran
-            if job.started_at is not None:
+            for _ in members if ran else ():  # each member spent this on the thread
                 self._metrics.observe("inference_seconds", job.duration_s)
-            if ran and admission.lease.nbytes > 0 and (
+            if ran and leased_bytes > 0 and (
                     error is None or isinstance(error, torch.OutOfMemoryError)):
                 # An OOM'd request counts with what it needed at least: leaving it out would
                 # hide the worst under-prices.
                 measured = job.peak_bytes if error is None else job.oom_needed_bytes
                 self._metrics.observe("request_measured_over_estimated",
-                                      measured / admission.lease.nbytes)
+                                      measured / leased_bytes)
 
         future.add_done_callback(finished)
         return future, job
 
     async def wait_started(self, future: asyncio.Future, job: _Job,
-                           admission: Admission) -> float:
+                           admissions: Admission | Sequence[Admission]) -> float:
         """Wait until the thread takes up ``job``; return the seconds waited. This is queue
-        wait too: with the wait for the lease it is bounded by ``admission.max_queue_wait_s``.
+        wait too: with the wait for the lease it is bounded by ``admission.max_queue_wait_s``
+        (for a batch, by its member that has waited longest).
 
         Raises:
             OverloadedError: ``queue_timeout`` (the job is abandoned, never run).
             asyncio.CancelledError: the caller left (the job is abandoned, never run).
         """
+        members = _members(admissions)
         started = asyncio.ensure_future(job.started.wait())
         waited_from = time.monotonic()
-        limit_s = max(0.0, self._admission.max_queue_wait_s - admission.queue_wait_s)
+        limit_s = max(0.0, self._admission.max_queue_wait_s
+                      - max(m.queue_wait_s for m in members))
         try:
             done, _ = await asyncio.wait({future, started}, timeout=limit_s,
                                          return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             job.abandoned = True
             if job.started_at is None:
-                self._metrics.inc("admission_decisions", outcome="cancelled",
+                self._metrics.inc("admission_decisions", len(members), outcome="cancelled",
                                   reason="client_gone")
             raise
         finally:
             started.cancel()
         if not done:
             job.abandoned = True
-            self._metrics.inc("admission_decisions", outcome="rejected", reason="queue_timeout")
+            self._metrics.inc("admission_decisions", len(members), outcome="rejected",
+                              reason="queue_timeout")
             raise OverloadedError(
                 f"waited {self._admission.max_queue_wait_s:g} s for the inference thread "
                 "without starting", code="queue_timeout",
-                retry_after_s=self._gate.retry_after_s(admission.lease.nbytes))
+                retry_after_s=self._gate.retry_after_s(sum(m.lease.nbytes for m in members)))
         thread_wait_s = time.monotonic() - waited_from
-        self._metrics.inc("admission_decisions", outcome="admitted",
-                          reason="queued" if admission.queue_position else "at_once")
-        queue_wait_s = admission.queue_wait_s + thread_wait_s
-        self._metrics.observe("queue_wait_seconds", queue_wait_s)
-        self.log_event("admitted", admission.lease.nbytes, queue_wait_s=round(queue_wait_s, 4),
-                       queue_position=admission.queue_position)
+        for member in members:
+            self._metrics.inc("admission_decisions", outcome="admitted",
+                              reason="queued" if member.queue_position else "at_once")
+            queue_wait_s = member.queue_wait_s + thread_wait_s
+            self._metrics.observe("queue_wait_seconds", queue_wait_s)
+            self.log_event("admitted", member.lease.nbytes, member.request_id,
+                           queue_wait_s=round(queue_wait_s, 4),
+                           queue_position=member.queue_position, batch=len(members))
         return thread_wait_s
 
-    def log_event(self, event: str, estimated_bytes: int, level: int = logging.INFO,
-                  **fields: Any) -> None:
+    def log_event(self, event: str, estimated_bytes: int, request_id: str = "",
+                  level: int = logging.INFO, **fields: Any) -> None:
         """Log one moment of a request (``arrived``, ``admitted``, ``finished``, ``lease
         released``) with the replica, the request's estimated bytes, ``fields`` and a device
-        memory snapshot. Ray Serve adds the request id; under ``logging.encoding: JSON`` every
-        field is a JSON key (Ray's JSON formatter keeps ``extra`` attributes)."""
+        memory snapshot. The request id is Ray Serve's (it adds it within the request's
+        context) or ``request_id`` (a batch runs outside its members' contexts); under
+        ``logging.encoding: JSON`` every field is a JSON key (Ray's JSON formatter keeps
+        ``extra`` attributes)."""
         if not logger.isEnabledFor(level):
             return
         extra = {"event": event, "replica": self._metrics.common["replica"],
                  "estimated_bytes": estimated_bytes, **fields,
                  **self._probe.memory_snapshot()}
+        if request_id:
+            extra["request_id"] = request_id
         logger.log(level, "request %s: %s", event,
                    " ".join(f"{k}={v}" for k, v in extra.items() if k != "event"), extra=extra)
 
-    async def run(self, admission: Admission, work: Callable[[], Any]) -> tuple[Any, float]:
+    async def run(self, admission: Admission | Sequence[Admission],
+                  work: Callable[[], Any]) -> tuple[Any, float]:
         """:meth:`start`; once the thread runs it, wait up to ``inference_timeout_s``.
         Returns the result and the seconds spent waiting for the thread (queue wait).
 
@@ -197,14 +217,15 @@ class InferenceThread:
         except RuntimeError as exc:
             raise self.failure(exc, admission) from None
 
-    def failure(self, exc: RuntimeError, admission: Admission) -> Exception:
+    def failure(self, exc: RuntimeError,
+                admission: Admission | Sequence[Admission]) -> Exception:
         """What the caller of a failed job raises: 503 ``oom`` with ``Retry-After`` for an
         out-of-memory error, 503 ``draining`` for a device fault; other errors are bugs and
         pass through."""
         if isinstance(exc, torch.OutOfMemoryError):
             return OverloadedError("the device ran out of memory; retry later", code="oom",
                                    retry_after_s=self._gate.retry_after_s(
-                                       admission.lease.nbytes))
+                                       sum(m.lease.nbytes for m in _members(admission))))
         if is_device_fault(exc):
             return self.draining_error()
         return exc
@@ -295,6 +316,10 @@ class InferenceThread:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _members(admissions: Admission | Sequence[Admission]) -> list[Admission]:
+    return [admissions] if isinstance(admissions, Admission) else list(admissions)
 
 
 class _Job:

@@ -25,17 +25,16 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deployments.engines.base import GenerationParams
-from deployments.http_metrics import HttpMetricsMiddleware
+from deployments.http_middleware import BodyLimitMiddleware, HttpMetricsMiddleware
+from deployments.openapi import INFERENCE_ERRORS, INFERENCE_PARAMETERS, responses
 from deployments.pricing import IngressPricer
 from deployments.registry import PUBLISH_PERIOD_S
 from serve_app.admission.drain import retry_after_s
 from serve_app.config import parse_args
 from serve_app.errors import (
     AuthenticationError,
-    BodyTooLargeError,
     IdempotencyKeyReusedError,
     InvalidRequestError,
     ModelNotFoundError,
@@ -56,7 +55,6 @@ from serve_app.schemas import (
     EmbeddingRequest,
     EmbeddingResponse,
     EmbeddingResult,
-    ErrorResponse,
     HealthResponse,
     ModelList,
     ReadyResponse,
@@ -66,111 +64,6 @@ from serve_app.schemas import (
 logger = logging.getLogger("ray.serve")
 
 STATUS_CACHE_S = 0.5
-
-# --- OpenAPI declarations (documentation only: the routes render their responses themselves,
-# so these describe CONTRACT.md; tests/integration/test_openapi_fuzz.py holds the server to them)
-
-_ERROR_MEANINGS = {
-    400: "Invalid request (malformed JSON, failed validation, `request_too_large`).",
-    401: "Missing or wrong API key (only when one is configured).",
-    404: "Unknown model or route for this deployment (`model_not_found`).",
-    413: "Body larger than `limits.max_body_bytes` (`body_too_large`).",
-    422: "Idempotency-Key reused with a different body (`idempotency_key_reused`).",
-    503: "Transient capacity refusal (`queue_full`, `queue_timeout`, `oom`, `no_replicas`, "
-         "`draining`); retry after `Retry-After` seconds.",
-    504: "Inference ran longer than `admission.inference_timeout_s` (`inference_timeout`).",
-}
-_INFERENCE_ERRORS = (400, 401, 404, 413, 422, 503, 504)
-
-
-def _header(description: str, schema: dict[str, Any]) -> dict[str, Any]:
-    return {"description": description, "required": True, "schema": schema}
-
-
-_COUNT = {"type": "integer", "minimum": 0}
-_REQUEST_ID = {"X-Request-Id": _header(
-    "The request's `X-Request-Id`, or one generated for it.", {"type": "string"})}
-_ADMITTED = {
-    "X-Queue-Wait-Ms": _header("Time spent waiting for admission, in ms.", _COUNT),
-    "X-Queue-Position": _header("Requests ahead of this one when it was queued (0: admitted at "
-                                "once).", _COUNT),
-}
-_RETRY_AFTER = {"Retry-After": _header("Whole seconds to wait before retrying.",
-                                       {"type": "integer", "minimum": 1})}
-_INFERENCE_PARAMETERS = [
-    {"name": "Idempotency-Key", "in": "header", "required": False,
-     "description": "The same key with the same body within `idempotency.ttl_s` runs the model "
-                    "once; with another body: 422. Not with `stream: true`.",
-     "schema": {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^[!-~]+$"}},
-    {"name": "X-Request-Id", "in": "header", "required": False,
-     "description": "Echoed back; generated when absent.", "schema": {"type": "string"}},
-]
-
-
-def _responses(ok: type, *errors: int, inference: bool = False,
-               event_stream: str = "") -> dict[int | str, Any]:
-    """OpenAPI ``responses`` of a route: 200 with the ``ok`` body (and, where ``event_stream``
-    describes one, a ``text/event-stream`` alternative), each listed error status in the OpenAI
-    error shape, 503 with ``Retry-After``; an ``inference`` route's responses with their
-    CONTRACT.md headers."""
-    common = _REQUEST_ID if inference else {}
-    declared: dict[int | str, Any] = {200: {"model": ok}}
-    if event_stream:  # one server-sent event, as FastAPI declares its own (`itemSchema`)
-        declared[200]["content"] = {"text/event-stream": {"itemSchema": {
-            "type": "object", "required": ["data"],
-            "properties": {"data": {"type": "string", "description": event_stream}}}}}
-    for status in errors:
-        declared[status] = {"model": ErrorResponse, "description": _ERROR_MEANINGS[status]}
-    for status, response in declared.items():
-        headers = {**common, **(_ADMITTED if inference and status == 200 else {}),
-                   **(_RETRY_AFTER if status == 503 else {})}
-        if headers:
-            response["headers"] = headers
-    return declared
-
-
-class BodyLimitMiddleware:
-    """Refuses bodies over ``max_body_bytes`` with 413: at once when ``Content-Length`` says
-    so, else as soon as the streamed (chunked) body passes the limit. A body within the limit
-    is read here and handed on whole; later ``receive`` calls (disconnects) pass through."""
-
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
-        self._app = app
-        self._max_body_bytes = max_body_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self._app(scope, receive, send)
-            return
-        too_large = error_response(
-            BodyTooLargeError(f"the body exceeds {self._max_body_bytes} bytes"))
-        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self._max_body_bytes:
-            await too_large(scope, receive, send)
-            return
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # disconnected while sending the body
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self._max_body_bytes:
-                await too_large(scope, receive, send)
-                return
-            if not message.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-
-        await self._app(scope, replay, send)
-
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
 @serve.ingress()
@@ -211,27 +104,27 @@ class Ingress:
         install_error_handlers(app)
         if self._args.model.task in ("embed", "fake"):
             app.post("/v1/embeddings", response_model=None,
-                     responses=_responses(EmbeddingResponse, *_INFERENCE_ERRORS, inference=True),
-                     openapi_extra={"parameters": _INFERENCE_PARAMETERS})(self.embeddings)
+                     responses=responses(EmbeddingResponse, *INFERENCE_ERRORS, inference=True),
+                     openapi_extra={"parameters": INFERENCE_PARAMETERS})(self.embeddings)
         if self._args.model.task in ("generate", "fake"):
-            app.post("/v1/completions", response_model=None, responses=_responses(
-                CompletionResponse, *_INFERENCE_ERRORS, inference=True, event_stream=(
+            app.post("/v1/completions", response_model=None, responses=responses(
+                CompletionResponse, *INFERENCE_ERRORS, inference=True, event_stream=(
                     "stream: true: each event's data is a CompletionResponse without usage "
                     "(an error after the first event comes in-band as an ErrorResponse); "
                     "the last one is `[DONE]`")),
-                openapi_extra={"parameters": _INFERENCE_PARAMETERS})(self.completions)
+                openapi_extra={"parameters": INFERENCE_PARAMETERS})(self.completions)
         app.get("/v1/models", response_model=None,
-                responses=_responses(ModelList, 401))(self.models)
+                responses=responses(ModelList, 401))(self.models)
         app.get("/v1/status", response_model=None,
-                responses=_responses(StatusResponse, 401))(self.status)
+                responses=responses(StatusResponse, 401))(self.status)
         app.get("/metrics", response_model=None, responses={
             200: {"description": "Prometheus text exposition (version 0.0.4)",
                   "content": {"text/plain": {"schema": {"type": "string"}}}},
-            401: _responses(HealthResponse, 401)[401]})(self.metrics)
+            401: responses(HealthResponse, 401)[401]})(self.metrics)
         app.get("/healthz", response_model=None,
-                responses=_responses(HealthResponse))(self.healthz)
+                responses=responses(HealthResponse))(self.healthz)
         app.get("/readyz", response_model=None,
-                responses=_responses(ReadyResponse, 503))(self.readyz)
+                responses=responses(ReadyResponse, 503))(self.readyz)
         return app
 
     async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:

@@ -8,6 +8,7 @@ replica keeps answering (health checks, status, admission) while the model is bu
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -21,6 +22,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deployments.autoscaling import replica_autoscaling_stats
+from deployments.batching import EmbeddingBatcher
 from deployments.engines.base import GenerationParams
 from deployments.inference import InferenceThread
 from deployments.profiling import measure_replica
@@ -77,6 +79,9 @@ class ModelServer:
         self._probe = measured.probe
         self._inference = InferenceThread(executor, self._engine, measured.probe, self._gate,
                                           self._cost_model, self._aimd, adm, self._metrics)
+        self._batcher = EmbeddingBatcher(
+            self._inference, self._engine, self._cost_model, self._policy, self._gate,
+            args.batching) if args.batching.enabled else None
         self._memory = measured.status(args)
         runtime = ray.get_runtime_context()
         self._node_id = runtime.get_node_id()
@@ -104,9 +109,13 @@ class ModelServer:
         token_counts = await asyncio.to_thread(self._engine.count_tokens, texts)
         for i, n in enumerate(token_counts):
             self._check_tokens(n, self._max_input_tokens, f"input[{i}]", "input")
-        admitted = await self._admit(len(token_counts), max(token_counts), 0)
-        embeddings, thread_wait_s = await self._inference.run(
-            admitted, lambda: self._engine.embed(texts))
+        admitted = await self._admit(len(token_counts), self._priced_tokens(texts, token_counts),
+                                     0)
+        if self._batcher is not None:
+            embeddings, thread_wait_s = await self._batcher.embed(texts, token_counts, admitted)
+        else:
+            embeddings, thread_wait_s = await self._inference.run(
+                admitted, lambda: self._engine.embed(texts))
         if not np.isfinite(embeddings).all():
             self._inference.mark_device_fault("an embedding came out NaN/Inf")
             raise self._inference.draining_error()
@@ -200,13 +209,27 @@ class ModelServer:
             request_bytes = self._cost_model.request_bytes(batch, prompt_tokens, new_tokens)
             self._inference.log_event("arrived", request_bytes, batch=batch,
                                       prompt_tokens=prompt_tokens, new_tokens=new_tokens)
-            return await self._gate.acquire(self._policy.units(request_bytes))
+            admission = await self._gate.acquire(self._policy.units(request_bytes))
+            # Kept with the lease: a batch runs outside this request's logging context.
+            request_id = serve.context._get_serve_request_context().request_id
+            return dataclasses.replace(admission, request_id=request_id or "")
         except ServeAppError as exc:
             self._metrics.inc("admission_decisions", outcome="rejected", reason=exc.code)
             raise
         except asyncio.CancelledError:
             self._metrics.inc("admission_decisions", outcome="cancelled", reason="client_gone")
             raise
+
+    def _priced_tokens(self, texts: list[str], token_counts: list[int]) -> int:
+        """The padded length an embedding request is priced at: its longest input, or, when
+        it can be batched, that rounded up to ``batching.pad_to_multiple_of`` (capped at the
+        longest input allowed), so that similar lengths fit one pass within their leases."""
+        longest = max(token_counts)
+        cfg = self._args.batching
+        if self._batcher is None or len(texts) > cfg.max_batch_size:
+            return longest
+        padded = -(-longest // cfg.pad_to_multiple_of) * cfg.pad_to_multiple_of
+        return min(max(padded, longest), self._max_input_tokens)
 
     def _require_task(self, task: str) -> None:
         if self._engine.task not in (task, "fake"):  # the fake engine serves both

@@ -223,6 +223,24 @@ class FakeConfig(_Section):
     max_seq_tokens: int = Field(2048, ge=2, description="Longest prompt + completion.")
 
 
+class BatchingConfig(_Section):
+    enabled: bool = Field(
+        True, description="Group admitted embedding requests into one forward pass (each "
+        "batch priced as a whole and fitted to the leases of its members).")
+    max_batch_size: int = Field(
+        32, ge=1, description="Most inputs in one forward pass; larger requests run alone.")
+    max_wait_ms: float = Field(
+        20.0, ge=0, description="How long a batch waits for more requests after its first "
+        "(Ray Serve's batch_wait_timeout_s). Measured on 2 cores, 32 clients of single "
+        "sentences: 2 ms gave 1.06x the throughput of no batching, 20 ms 1.91x; a lone request "
+        "waits this long too.")
+    pad_to_multiple_of: int = Field(
+        16, ge=1, description="A batchable request is priced as if its inputs were padded to "
+        "the next multiple of this many tokens, so that requests of similar length can share "
+        "a forward pass within their leases (over-reserving at most this many tokens per "
+        "input); 1 = priced exactly, batching only equal lengths.")
+
+
 class LoggingConfig(_Section):
     encoding: Literal["TEXT", "JSON"] = Field(
         "TEXT", description="Replica log format: Ray Serve's text lines, or one JSON object "
@@ -244,6 +262,7 @@ class AppArgs(_Section):
     auth: AuthConfig = AuthConfig()
     idempotency: IdempotencyConfig = IdempotencyConfig()
     logging: LoggingConfig = LoggingConfig()
+    batching: BatchingConfig = BatchingConfig()
 
     @model_validator(mode="after")
     def _check_task(self) -> AppArgs:

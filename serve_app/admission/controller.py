@@ -26,11 +26,13 @@ class Admission:
         lease: the bytes held; release with :meth:`AdmissionController.release`.
         queue_wait_s: seconds spent waiting for the lease (0 if admitted at once).
         queue_position: waiters ahead of it when it was queued (0 if admitted at once).
+        request_id: the request's id, for logs (set by the replica; empty if unknown).
     """
 
     lease: Lease
     queue_wait_s: float
     queue_position: int
+    request_id: str = ""
 
 
 class AdmissionController:

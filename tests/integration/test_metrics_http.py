@@ -55,6 +55,8 @@ def test_exact_deltas_after_100_requests_of_which_20_are_refused(deploy):
         fake={"bytes_per_token": MiB},
         memory={"budget_bytes": 40 * MiB},
         limits={"max_inputs": 8, "max_input_tokens": 16, "max_tokens": 4},
+        # Priced exactly (no padding for batching): the ratio histogram then shows 1.0.
+        batching={"pad_to_multiple_of": 1},
         deployment={"num_replicas": 2}))
     before = scrape(app.base_url)
     admitted0 = total(before, "vramgate_admission_decisions_total", outcome="admitted")

@@ -17,6 +17,9 @@ def app(deploy):
         "fake": {"oom_probability": 0.2, "fault_seed": 3, "latency_per_token_s": 0.001},
         "limits": {"max_inputs": 2, "max_input_tokens": 32, "max_tokens": 16},
         "admission": {"oom_quiet_s": 1.0, "oom_regrow_fraction": 0.5},
+        # One request per forward pass, so that one injected OOM refuses exactly one request
+        # (a batched pass that OOMs refuses all its members, each with 503 oom).
+        "batching": {"enabled": False},
     })
 
 

@@ -28,6 +28,7 @@ def _json_lines_with(request_id: str) -> list[dict]:
 def test_a_request_logs_its_four_moments_as_json(deploy):
     app = deploy(fake_app_args(fake={"bytes_per_token": MiB},
                                limits={"max_inputs": 2, "max_input_tokens": 16, "max_tokens": 4},
+                               batching={"pad_to_multiple_of": 1},  # priced exactly
                                logging={"encoding": "JSON"}))
     request_id = f"log-test-{uuid.uuid4()}"
     response = httpx.post(f"{app.base_url}/v1/embeddings", json={"input": ["a b c", "d"]},

@@ -11,7 +11,8 @@ PURE_MODULES = [
     "serve_app.admission.budget", "serve_app.admission.drain", "serve_app.admission.queue",
     "serve_app.admission.controller", "serve_app.errors", "serve_app.config",
     "serve_app.memory.cost_model", "serve_app.memory.budget", "serve_app.memory.profiler",
-    "serve_app.planning", "serve_app.memory.simulated",
+    "serve_app.planning", "serve_app.memory.simulated", "serve_app.admission.batching",
+    "serve_app.routing", "serve_app.autoscaling", "serve_app.metrics",
     # model-free: torch only when it raises its OOM
     "deployments.engines.fake",
     # the CLI imports the model code only once its arguments are valid

@@ -1,0 +1,88 @@
+"""The ingress's ASGI middlewares: the body limit, and HTTP metrics.
+
+Plain ASGI (no ``BaseHTTPMiddleware``: it would buffer streamed responses).
+"""
+
+from __future__ import annotations
+
+import time
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from serve_app.errors import BodyTooLargeError
+from serve_app.http_errors import error_response
+from serve_app.metrics import ProcessMetrics
+
+
+class HttpMetricsMiddleware:
+    """Counts every HTTP response (``http_requests_total``) and observes its duration up to
+    the last body byte (``http_request_seconds``). A client that leaves before the response
+    starts is counted with status ``499`` (nginx's "client closed request")."""
+
+    def __init__(self, app: ASGIApp, metrics: ProcessMetrics) -> None:
+        self._app = app
+        self._metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        started = time.monotonic()
+        status = 499
+
+        async def send_and_note(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self._app(scope, receive, send_and_note)
+        finally:
+            route = getattr(scope.get("route"), "path", None) or "other"
+            self._metrics.inc("http_requests", route=route, status=str(status))
+            self._metrics.observe("http_request_seconds", time.monotonic() - started,
+                                  route=route)
+
+
+class BodyLimitMiddleware:
+    """Refuses bodies over ``max_body_bytes`` with 413: at once when ``Content-Length`` says
+    so, else as soon as the streamed (chunked) body passes the limit. A body within the limit
+    is read here and handed on whole; later ``receive`` calls (disconnects) pass through."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self._app = app
+        self._max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        too_large = error_response(
+            BodyTooLargeError(f"the body exceeds {self._max_body_bytes} bytes"))
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self._max_body_bytes:
+            await too_large(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # disconnected while sending the body
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self._max_body_bytes:
+                await too_large(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self._app(scope, replay, send)

@@ -1,0 +1,65 @@
+"""OpenAPI declarations of the ingress's routes (documentation only: the routes render their
+responses themselves, so these describe CONTRACT.md; tests/integration/test_openapi_fuzz.py
+holds the server to them)."""
+
+from typing import Any
+
+from serve_app.schemas import ErrorResponse
+
+ERROR_MEANINGS = {
+    400: "Invalid request (malformed JSON, failed validation, `request_too_large`).",
+    401: "Missing or wrong API key (only when one is configured).",
+    404: "Unknown model or route for this deployment (`model_not_found`).",
+    413: "Body larger than `limits.max_body_bytes` (`body_too_large`).",
+    422: "Idempotency-Key reused with a different body (`idempotency_key_reused`).",
+    503: "Transient capacity refusal (`queue_full`, `queue_timeout`, `oom`, `no_replicas`, "
+         "`draining`); retry after `Retry-After` seconds.",
+    504: "Inference ran longer than `admission.inference_timeout_s` (`inference_timeout`).",
+}
+INFERENCE_ERRORS = (400, 401, 404, 413, 422, 503, 504)
+
+
+def _header(description: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"description": description, "required": True, "schema": schema}
+
+
+_COUNT = {"type": "integer", "minimum": 0}
+REQUEST_ID_HEADER = {"X-Request-Id": _header(
+    "The request's `X-Request-Id`, or one generated for it.", {"type": "string"})}
+ADMITTED_HEADERS = {
+    "X-Queue-Wait-Ms": _header("Time spent waiting for admission, in ms.", _COUNT),
+    "X-Queue-Position": _header("Requests ahead of this one when it was queued (0: admitted at "
+                                "once).", _COUNT),
+}
+RETRY_AFTER_HEADER = {"Retry-After": _header("Whole seconds to wait before retrying.",
+                                       {"type": "integer", "minimum": 1})}
+INFERENCE_PARAMETERS = [
+    {"name": "Idempotency-Key", "in": "header", "required": False,
+     "description": "The same key with the same body within `idempotency.ttl_s` runs the model "
+                    "once; with another body: 422. Not with `stream: true`.",
+     "schema": {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^[!-~]+$"}},
+    {"name": "X-Request-Id", "in": "header", "required": False,
+     "description": "Echoed back; generated when absent.", "schema": {"type": "string"}},
+]
+
+
+def responses(ok: type, *errors: int, inference: bool = False,
+               event_stream: str = "") -> dict[int | str, Any]:
+    """OpenAPI ``responses`` of a route: 200 with the ``ok`` body (and, where ``event_stream``
+    describes one, a ``text/event-stream`` alternative), each listed error status in the OpenAI
+    error shape, 503 with ``Retry-After``; an ``inference`` route's responses with their
+    CONTRACT.md headers."""
+    common = REQUEST_ID_HEADER if inference else {}
+    declared: dict[int | str, Any] = {200: {"model": ok}}
+    if event_stream:  # one server-sent event, as FastAPI declares its own (`itemSchema`)
+        declared[200]["content"] = {"text/event-stream": {"itemSchema": {
+            "type": "object", "required": ["data"],
+            "properties": {"data": {"type": "string", "description": event_stream}}}}}
+    for status in errors:
+        declared[status] = {"model": ErrorResponse, "description": ERROR_MEANINGS[status]}
+    for status, response in declared.items():
+        headers = {**common, **(ADMITTED_HEADERS if inference and status == 200 else {}),
+                   **(RETRY_AFTER_HEADER if status == 503 else {})}
+        if headers:
+            response["headers"] = headers
+    return declared
