@@ -32,12 +32,15 @@ from serve_app.memory.cost_model import CostModel
 
 @dataclass
 class _Pending:
-    """One admitted request waiting to be batched. ``handed``: a job owns its lease now."""
+    """One admitted request waiting to be batched. Exactly one side owns its lease: the
+    caller until ``handed`` (a pass took it), the pass after; ``gone``: the caller left (and
+    released it) before that."""
 
     texts: list[str]
     token_counts: list[int]
     admission: Admission
     handed: bool = False
+    gone: bool = False
 
 
 def _inputs(items: list[_Pending]) -> int:
@@ -80,6 +83,7 @@ class EmbeddingBatcher:
             result = await self._collect(pending)
         except BaseException:
             if not pending.handed:
+                pending.gone = True
                 self._gate.release(admission.lease, ran=False)
             raise
         if isinstance(result, BaseException):
@@ -91,15 +95,17 @@ class EmbeddingBatcher:
     async def _collect(self, pendings: list[_Pending]) -> list[Any]:
         """Ray Serve calls this with the collected requests; returns, per request, its
         ``(rows, thread_wait_s)`` or the exception its caller raises."""
-        members = [BatchMember(len(p.texts), max(p.token_counts), p.admission.lease.nbytes)
-                   for p in pendings]
-        groups = form_batches(members, self._price, self._config.max_batch_size)
         results: list[Any] = [None] * len(pendings)
+        live = [i for i, p in enumerate(pendings) if not p.gone]
+        for i in live:  # before any await: from here on the passes own these leases
+            pendings[i].handed = True
+        members = [BatchMember(len(pendings[i].texts), max(pendings[i].token_counts),
+                               pendings[i].admission.lease.nbytes) for i in live]
+        groups = [[live[j] for j in group]
+                  for group in form_batches(members, self._price, self._config.max_batch_size)]
 
         async def run(group: list[int]) -> None:
             texts = [text for i in group for text in pendings[i].texts]
-            for i in group:
-                pendings[i].handed = True
             try:
                 rows, thread_wait_s = await self._inference.run(
                     [pendings[i].admission for i in group], lambda: self._engine.embed(texts))

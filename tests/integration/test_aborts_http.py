@@ -14,10 +14,11 @@ from tests.support import MiB, fake_app_args
 
 @pytest.fixture(scope="module")
 def app(deploy):
-    # 10 ms per token, 1 MiB per token, a budget for about three requests at once.
+    # 10 ms per token, 1 MiB per token, a budget for three requests at once (each priced at
+    # most 32 tokens: up to 20, padded to batching.pad_to_multiple_of 16).
     return deploy(fake_app_args(
         fake={"latency_per_token_s": 0.01, "bytes_per_token": MiB},
-        memory={"budget_bytes": 64 * MiB},
+        memory={"budget_bytes": 96 * MiB},
         limits={"max_inputs": 1, "max_input_tokens": 32, "max_tokens": 16},
         admission={"max_queue_len": 64, "max_queue_wait_s": 5}))
 
