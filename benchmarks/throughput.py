@@ -36,7 +36,7 @@ from typing import Any
 
 import httpx
 
-from serve_app.config import parse_args
+from serve_app.config import BatchingConfig, parse_args
 from tests.support import SENTENCES, fake_app_args, free_port, wait_until_ready
 
 BATCH_INPUTS = 16  # inputs per request of the batched served rows (and the bare batch it meets)
@@ -349,8 +349,10 @@ def main() -> None:
                         help="measured seconds per bare row (default 5)")
     parser.add_argument("--max-batch-size", type=int, default=32,
                         help="batching.max_batch_size of the batching-on rows (default 32)")
-    parser.add_argument("--max-wait-ms", type=float, default=20.0,
-                        help="batching.max_wait_ms of the batching-on rows (default 20)")
+    default_wait_ms = BatchingConfig().max_wait_ms
+    parser.add_argument("--max-wait-ms", type=float, default=default_wait_ms,
+                        help="batching.max_wait_ms of the batching-on rows (default "
+                        f"{default_wait_ms:g}, the config's)")
     parser.add_argument("--encoding-format", choices=("float", "base64"), default="float")
     parser.add_argument("--only-bare", action="store_true",
                         help="only the in-process rows (no Ray)")

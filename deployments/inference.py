@@ -128,8 +128,9 @@ class InferenceThread:
                 # An OOM'd request counts with what it needed at least: leaving it out would
                 # hide the worst under-prices.
                 measured = job.peak_bytes if error is None else job.oom_needed_bytes
-                self._metrics.observe("request_measured_over_estimated",
-                                      measured / leased_bytes)
+                if measured is not None:
+                    self._metrics.observe("request_measured_over_estimated",
+                                          measured / leased_bytes)
 
         future.add_done_callback(finished)
         return future, job
@@ -162,12 +163,7 @@ class InferenceThread:
             started.cancel()
         if not done:
             job.abandoned = True
-            self._metrics.inc("admission_decisions", len(members), outcome="rejected",
-                              reason="queue_timeout")
-            raise OverloadedError(
-                f"waited {self._admission.max_queue_wait_s:g} s for the inference thread "
-                "without starting", code="queue_timeout",
-                retry_after_s=self._gate.retry_after_s(sum(m.lease.nbytes for m in members)))
+            raise self._queue_timeout(members)
         thread_wait_s = time.monotonic() - waited_from
         for member in members:
             self._metrics.inc("admission_decisions", outcome="admitted",
@@ -184,13 +180,15 @@ class InferenceThread:
         """Log one moment of a request (``arrived``, ``admitted``, ``finished``, ``lease
         released``) with the replica, the request's estimated bytes, ``fields`` and a device
         memory snapshot. The request id is Ray Serve's (it adds it within the request's
-        context) or ``request_id`` (a batch runs outside its members' contexts); under
+        context) or ``request_id`` (a batch runs outside its members' contexts); fields that
+        are ``None`` (a peak not measured) are left out; under
         ``logging.encoding: JSON`` every field is a JSON key (Ray's JSON formatter keeps
         ``extra`` attributes)."""
         if not logger.isEnabledFor(level):
             return
         extra = {"event": event, "replica": self._metrics.common["replica"],
-                 "estimated_bytes": estimated_bytes, **fields,
+                 "estimated_bytes": estimated_bytes,
+                 **{k: v for k, v in fields.items() if v is not None},
                  **self._probe.memory_snapshot()}
         if request_id:
             extra["request_id"] = request_id
@@ -205,8 +203,15 @@ class InferenceThread:
         Raises:
             InferenceTimeoutError: the thread is still running at the deadline (its lease
                 stays held until it returns).
-            OverloadedError: ``oom`` or ``draining`` (device fault), see :meth:`failure`.
+            OverloadedError: ``oom`` or ``draining`` (device fault), see :meth:`failure`;
+                ``queue_timeout`` when the work waited ``max_queue_wait_s`` in all (for the
+                lease, a batch and the thread) before starting; it never starts then.
         """
+        members = _members(admission)
+        if max(m.queue_wait_s for m in members) >= self._admission.max_queue_wait_s:
+            for member in members:  # waited its whole bound before reaching the thread
+                self._gate.release(member.lease, ran=False)
+            raise self._queue_timeout(members)
         future, job = self.start(admission, work)
         thread_wait_s = await self.wait_started(future, job, admission)
         try:
@@ -216,6 +221,16 @@ class InferenceThread:
             raise self.timeout_error() from None
         except RuntimeError as exc:
             raise self.failure(exc, admission) from None
+
+    def _queue_timeout(self, members: list[Admission]) -> OverloadedError:
+        """503 ``queue_timeout`` for work that waited ``max_queue_wait_s`` without starting
+        (counted as rejected here)."""
+        self._metrics.inc("admission_decisions", len(members), outcome="rejected",
+                          reason="queue_timeout")
+        return OverloadedError(
+            f"waited {self._admission.max_queue_wait_s:g} s for the inference thread without "
+            "starting", code="queue_timeout",
+            retry_after_s=self._gate.retry_after_s(sum(m.lease.nbytes for m in members)))
 
     def failure(self, exc: RuntimeError,
                 admission: Admission | Sequence[Admission]) -> Exception:
@@ -337,7 +352,7 @@ class _Job:
         self.started_at: float | None = None
         self.abandoned = False
         self.duration_s = 0.0
-        self.peak_bytes = 0
+        self.peak_bytes: int | None = None  # None: not measured (the host probe samples)
         self.oom_needed_bytes = 0
         self.canary_ok: bool | None = None
 
@@ -352,7 +367,8 @@ class _Job:
             return self._work()
         except torch.OutOfMemoryError as exc:
             message = str(exc)
-            self.oom_needed_bytes = probe.request_peak_bytes() + failed_allocation_bytes(message)
+            self.oom_needed_bytes = (probe.request_peak_bytes() or 0) \
+                + failed_allocation_bytes(message)
         finally:
             self.peak_bytes = probe.request_peak_bytes()
             self.duration_s = time.monotonic() - self.started_at

@@ -22,12 +22,13 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deployments.autoscaling import replica_autoscaling_stats
-from deployments.batching import EmbeddingBatcher
+from deployments.batching import RequestBatcher
 from deployments.engines.base import GenerationParams
 from deployments.inference import InferenceThread
 from deployments.profiling import measure_replica
 from deployments.registry import PUBLISH_PERIOD_S
 from serve_app.admission.aimd import AimdBudget
+from serve_app.admission.batching import priced_tokens
 from serve_app.admission.controller import Admission, AdmissionController
 from serve_app.admission.policy import AdmissionPolicy
 from serve_app.config import parse_args
@@ -79,7 +80,7 @@ class ModelServer:
         self._probe = measured.probe
         self._inference = InferenceThread(executor, self._engine, measured.probe, self._gate,
                                           self._cost_model, self._aimd, adm, self._metrics)
-        self._batcher = EmbeddingBatcher(
+        self._batcher = RequestBatcher(
             self._inference, self._engine, self._cost_model, self._policy, self._gate,
             args.batching) if args.batching.enabled else None
         self._memory = measured.status(args)
@@ -109,8 +110,9 @@ class ModelServer:
         token_counts = await asyncio.to_thread(self._engine.count_tokens, texts)
         for i, n in enumerate(token_counts):
             self._check_tokens(n, self._max_input_tokens, f"input[{i}]", "input")
-        admitted = await self._admit(len(token_counts), self._priced_tokens(texts, token_counts),
-                                     0)
+        admitted = await self._admit(
+            len(token_counts), self._priced_tokens(token_counts, self._batchable(len(texts))),
+            0)
         if self._batcher is not None:
             embeddings, thread_wait_s = await self._batcher.embed(texts, token_counts, admitted)
         else:
@@ -129,8 +131,12 @@ class ModelServer:
         Raises: as :meth:`embed`, with ``prompt`` / ``max_tokens`` as the offending fields.
         """
         admitted, prompt_tokens = await self._admit_prompt(prompt, params)
-        output, thread_wait_s = await self._inference.run(
-            admitted, lambda: self._engine.generate(prompt, params))
+        if self._batchable(1, params):
+            output, thread_wait_s = await self._batcher.complete(prompt, prompt_tokens, params,
+                                                                 admitted)
+        else:
+            output, thread_wait_s = await self._inference.run(
+                admitted, lambda: self._engine.generate(prompt, params))
         return CompletionResult(output.text, output.finish_reason, prompt_tokens,
                                 output.completion_tokens, _admitted(admitted, thread_wait_s))
 
@@ -145,7 +151,7 @@ class ModelServer:
         When the consumer goes away, generation stops at the next token and the lease is
         released once the inference thread has returned.
         """
-        admitted, prompt_tokens = await self._admit_prompt(prompt, params)
+        admitted, prompt_tokens = await self._admit_prompt(prompt, params, stream=True)
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue[str] = asyncio.Queue()
         consumer_gone = threading.Event()
@@ -188,14 +194,15 @@ class ModelServer:
         finally:
             consumer_gone.set()
 
-    async def _admit_prompt(self, prompt: str, params: GenerationParams,
+    async def _admit_prompt(self, prompt: str, params: GenerationParams, stream: bool = False,
                             ) -> tuple[Admission, int]:
         self._require_task("generate")
         [prompt_tokens] = await asyncio.to_thread(self._engine.count_tokens, [prompt])
         self._check_tokens(prompt_tokens, self._max_input_tokens, "prompt", "prompt")
         self._check_tokens(prompt_tokens + params.max_tokens, self._engine.max_seq_tokens,
                            "prompt + max_tokens", "max_tokens")
-        return await self._admit(1, prompt_tokens, params.max_tokens), prompt_tokens
+        priced = self._priced_tokens([prompt_tokens], self._batchable(1, params, stream))
+        return await self._admit(1, priced, params.max_tokens), prompt_tokens
 
     async def _admit(self, batch: int, prompt_tokens: int, new_tokens: int) -> Admission:
         """A lease for a request of this shape. Refusals are counted here (the admission
@@ -220,16 +227,13 @@ class ModelServer:
             self._metrics.inc("admission_decisions", outcome="cancelled", reason="client_gone")
             raise
 
-    def _priced_tokens(self, texts: list[str], token_counts: list[int]) -> int:
-        """The padded length an embedding request is priced at: its longest input, or, when
-        it can be batched, that rounded up to ``batching.pad_to_multiple_of`` (capped at the
-        longest input allowed), so that similar lengths fit one pass within their leases."""
-        longest = max(token_counts)
-        cfg = self._args.batching
-        if self._batcher is None or len(texts) > cfg.max_batch_size:
-            return longest
-        padded = -(-longest // cfg.pad_to_multiple_of) * cfg.pad_to_multiple_of
-        return min(max(padded, longest), self._max_input_tokens)
+    def _priced_tokens(self, token_counts: list[int], batchable: bool) -> int:
+        return priced_tokens(token_counts, batchable, self._args.batching.pad_to_multiple_of,
+                             self._max_input_tokens)
+
+    def _batchable(self, inputs: int, params: GenerationParams | None = None,
+                   stream: bool = False) -> bool:
+        return self._batcher is not None and self._batcher.batchable(inputs, params, stream)
 
     def _require_task(self, task: str) -> None:
         if self._engine.task not in (task, "fake"):  # the fake engine serves both
@@ -323,6 +327,8 @@ class ModelServer:
     def __del__(self) -> None:
         if getattr(self, "_publisher", None) is not None:
             self._publisher.cancel()
+        if getattr(self, "_batcher", None) is not None:
+            self._batcher.close()
         if getattr(self, "_inference", None) is not None:
             self._inference.shutdown()
 

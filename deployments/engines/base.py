@@ -79,3 +79,14 @@ class GenerationEngineProtocol(Engine, Protocol):
         """Complete ``prompt``. ``on_text`` receives each new piece of text as it is decoded
         and returns ``False`` to stop early (client gone); the output then has
         ``finish_reason`` ``"cancelled"``."""
+
+    def generate_batch(self, prompts: list[str],
+                       params: GenerationParams) -> list[GenerationOutput]:
+        """Complete ``prompts`` (>= 1) together, in one padded batch, with the same
+        ``params``, which must have no ``stop`` strings and no ``seed`` (those run alone: a
+        stop string ends one row early, a seed owns the random generator). Returns one
+        output per prompt, in order, each as :meth:`generate` would give it.
+
+        Raises:
+            ValueError: ``params`` has ``stop`` strings or a ``seed``.
+        """

@@ -195,6 +195,32 @@ class FakeEngine:
                                          lambda: self.sleep(self.latency_per_token_s))
         return GenerationOutput(text, reason, prompt_tokens, made)
 
+    def generate_batch(self, prompts: list[str],
+                       params: GenerationParams) -> list[GenerationOutput]:
+        """Complete ``prompts`` together: holds ``request_bytes(len(prompts), longest prompt,
+        max_tokens)`` (one padded KV cache) and sleeps what that many tokens take; each
+        output is what :meth:`generate` gives its prompt alone (its own prompt tokens, the
+        same words).
+
+        Raises:
+            ValueError: ``params`` has ``stop`` strings or a ``seed``, or a prompt is longer
+                than ``max_seq_tokens``.
+            torch.OutOfMemoryError: the batch does not fit on the device now.
+        """
+        if params.stop or params.seed is not None:
+            raise ValueError("generate_batch takes no stop strings and no seed")
+        counts = self.count_tokens(prompts)
+        if max(counts) > self.max_seq_tokens:
+            raise ValueError(f"a prompt of {max(counts)} tokens exceeds max_seq_tokens "
+                             f"{self.max_seq_tokens}")
+        longest = max(counts)
+        with self._hold(self.request_bytes(len(prompts), longest, params.max_tokens)):
+            self.sleep(len(prompts) * (longest + params.max_tokens) * self.latency_per_token_s)
+            decoded = [_decode(self._words(prompt, params), params, None, lambda: None)
+                       for prompt in prompts]
+        return [GenerationOutput(text, reason, tokens, made)
+                for (text, reason, made), tokens in zip(decoded, counts, strict=True)]
+
     def _words(self, prompt: str, params: GenerationParams) -> Iterator[str]:
         if params.temperature == 0:
             rng = random.Random(_digest("greedy", prompt))

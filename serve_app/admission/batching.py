@@ -66,3 +66,21 @@ def form_batches(members: Sequence[BatchMember], price: Callable[[int, int], int
             batches.append([i])
             inputs, longest, leased = member.inputs, member.longest_tokens, member.leased_bytes
     return sorted((sorted(batch) for batch in batches), key=lambda batch: batch[0])
+
+
+def priced_tokens(token_counts: Sequence[int], batchable: bool, pad_to_multiple_of: int,
+                  max_input_tokens: int) -> int:
+    """The padded length an embedding request is priced at: its longest input, or, when it
+    can be batched, that rounded up to ``pad_to_multiple_of`` (``batching.
+    pad_to_multiple_of``) and capped at ``max_input_tokens``, so that requests of similar
+    length fit one pass within their leases (over-reserving fewer than ``pad_to_multiple_of``
+    tokens per input).
+
+    Raises:
+        ValueError: ``token_counts`` is empty.
+    """
+    longest = max(token_counts)
+    if not batchable:
+        return longest
+    padded = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
+    return min(max(padded, longest), max_input_tokens)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -49,6 +50,28 @@ def test_greedy_completion_is_deterministic(client):
     assert body["usage"]["total_tokens"] == 4 + body["usage"]["completion_tokens"]
     assert second.json()["choices"][0]["text"] == choice["text"]
     assert first.headers["x-queue-position"] == "0"
+
+
+PROMPTS = ["the quick brown fox", "a memory budget admits requests", "ray serve routes",
+           "generation keeps a key value cache", "the quick brown fox jumps", "a budget"]
+
+
+async def test_concurrent_greedy_completions_share_passes_and_each_gets_its_own_text(
+        app, client):
+    alone = [complete(client, prompt=p, max_tokens=32, temperature=0).json()
+             for p in PROMPTS]
+    [before] = app.check_invariants()
+    async with httpx.AsyncClient(base_url=app.base_url, timeout=60) as http:
+        together = await asyncio.gather(*(
+            http.post("/v1/completions", json={"prompt": p, "max_tokens": 32,
+                                               "temperature": 0}) for p in PROMPTS))
+    [after] = app.check_invariants()
+    assert [r.status_code for r in together] == [200] * len(PROMPTS)
+    assert [r.json()["choices"] for r in together] == [a["choices"] for a in alone]
+    assert [r.json()["usage"] for r in together] == [a["usage"] for a in alone]
+    passes = after["inferences_total"] - before["inferences_total"]
+    print(f"\n{len(PROMPTS)} concurrent completions ran as {passes} passes")
+    assert 1 <= passes < len(PROMPTS)
 
 
 def test_seeded_sampling_is_reproducible(client):

@@ -32,6 +32,10 @@ def test_each_replica_budgets_half_a_card_and_no_card_is_overcommitted(app):
     per_card = collections.defaultdict(int)
     for replica in replicas:
         per_card[replica["gpu_ids"][0]] += replica["budget_bytes"] + replica["held_bytes"]
+    for replica in sorted(replicas, key=lambda r: r["gpu_ids"][0]):
+        print(f"\nGPU {replica['gpu_ids'][0]}: capacity {replica['capacity_bytes']} held "
+              f"{replica['held_bytes']} budget {replica['budget_bytes']} bytes")
+    print(f"held + budget per card: {dict(per_card)} (card {CARD_BYTES})")
     assert len(per_card) == 2
     assert all(total <= CARD_BYTES for total in per_card.values())
 

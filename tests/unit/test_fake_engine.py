@@ -291,3 +291,18 @@ def test_the_canary_sees_nan_output_after_an_oom_only_when_asked_to(
     assert engine.canary() is False
     assert np.isnan(engine.embed(["a b"])).all()
     assert device.allocated_bytes == WEIGHTS
+
+
+def test_a_generation_batch_holds_one_padded_cache_and_answers_each_prompt_as_alone(
+        engine: FakeEngine) -> None:
+    prompts = ["one two three four five", "six", "seven eight"]
+    params = GenerationParams(max_tokens=5, temperature=0.0)
+    alone = [engine.generate(prompt, params) for prompt in prompts]
+    before = engine.device.reset_peak()
+    together = engine.generate_batch(prompts, params)
+    assert together == alone
+    longest = max(engine.count_tokens(prompts))
+    assert engine.device.peak_allocated_bytes - before == \
+        engine.request_bytes(3, longest, 5)
+    with pytest.raises(ValueError):
+        engine.generate_batch(prompts, GenerationParams(stop=("six",)))

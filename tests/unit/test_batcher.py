@@ -1,0 +1,319 @@
+"""The embedding batcher on real parts: the replica's inference thread, the fake engine on a
+simulated device and the admission controller (no Ray).
+
+Checked: a pass is as large as the backlog that waited while the thread was busy; every pass
+holds at most what its members leased (the fake engine's memory is exact, and the thread
+observes measured / leased per pass); every lease is released exactly once whatever the
+callers do (hypothesis: random sizes, arrivals and cancellations at random points); closing
+the batcher refuses what still waits with 503 ``draining``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from deployments.batching import RequestBatcher
+from deployments.engines.base import GenerationOutput, GenerationParams
+from deployments.engines.fake import FakeEngine
+from deployments.inference import InferenceThread
+from serve_app.admission.batching import priced_tokens
+from serve_app.admission.controller import AdmissionController
+from serve_app.admission.policy import AdmissionPolicy
+from serve_app.config import AdmissionConfig, BatchingConfig
+from serve_app.errors import OverloadedError
+from serve_app.memory.cost_model import CorrectedCostModel
+from serve_app.memory.simulated import SimulatedDevice, SimulatedDeviceProbe
+from serve_app.metrics import ProcessMetrics
+from tests.unit.conftest import assert_idle
+
+PER_TOKEN_BYTES = 1000
+PAD_TO = 16
+MAX_INPUT_TOKENS = 64
+LABELS = {"deployment": "ModelServer", "replica": "test"}
+
+
+class Replica:
+    """What a model replica assembles for batching, without Ray: one inference thread, the
+    fake engine (exact bytes per token; ``sleep`` is its inference time) and the gate."""
+
+    def __init__(self, budget_bytes: int, max_batch_size: int, max_wait_ms: float = 0.0,
+                 sleep=time.sleep, latency_per_token_s: float = 0.0,
+                 max_queue_wait_s: float = 60.0) -> None:
+        self.device = SimulatedDevice(capacity_bytes=budget_bytes)
+        self.engine = FakeEngine(self.device, weights_bytes=0, bytes_per_token=PER_TOKEN_BYTES,
+                                 latency_per_token_s=latency_per_token_s, sleep=sleep,
+                                 max_seq_tokens=MAX_INPUT_TOKENS)
+        self.gate = AdmissionController(budget_bytes, max_queue_len=256, max_queue_wait_s=60.0)
+        self.metrics = ProcessMetrics(LABELS["deployment"], LABELS["replica"], use_ray=False)
+        self.executor = ThreadPoolExecutor(max_workers=1)
+        self.inference = InferenceThread(
+            self.executor, self.engine, SimulatedDeviceProbe(self.device), self.gate,
+            CorrectedCostModel(self.engine), None,
+            AdmissionConfig(max_queue_wait_s=max_queue_wait_s), self.metrics)
+        self.config = BatchingConfig(max_batch_size=max_batch_size, max_wait_ms=max_wait_ms,
+                                     pad_to_multiple_of=PAD_TO)
+        self.batcher = RequestBatcher(self.inference, self.engine, self.engine,
+                                        AdmissionPolicy.create("budget", budget_bytes, 1),
+                                        self.gate, self.config)
+
+    async def embed(self, texts: list[str]) -> np.ndarray:
+        """What ``ModelServer.embed`` does with batching on: price, lease, batch."""
+        rows, _ = await self.embed_and_wait(texts)
+        return rows
+
+    async def embed_and_wait(self, texts: list[str]) -> tuple[np.ndarray, float]:
+        """:meth:`embed`, and the seconds waited beyond the lease (for a pass, the thread)."""
+        counts = self.engine.count_tokens(texts)
+        tokens = priced_tokens(counts, len(texts) <= self.config.max_batch_size, PAD_TO,
+                               MAX_INPUT_TOKENS)
+        admission = await self.gate.acquire(self.engine.request_bytes(len(texts), tokens))
+        return await self.batcher.embed(texts, counts, admission)
+
+    async def complete(self, prompt: str, params: GenerationParams) -> GenerationOutput:
+        """What ``ModelServer.complete`` does with a batchable completion."""
+        [count] = self.engine.count_tokens([prompt])
+        tokens = priced_tokens([count], True, PAD_TO, MAX_INPUT_TOKENS)
+        admission = await self.gate.acquire(
+            self.engine.request_bytes(1, tokens, params.max_tokens))
+        output, _ = await self.batcher.complete(prompt, count, params, admission)
+        return output
+
+    async def settle(self) -> None:
+        """Wait until the thread has finished all it was given and its callbacks ran."""
+        await asyncio.get_running_loop().run_in_executor(self.executor, lambda: None)
+        await asyncio.sleep(0)
+
+    def passes_within_leases(self) -> tuple[float, float]:
+        """(passes observed, passes whose measured peak was <= their leased bytes)."""
+        name = "vramgate_request_measured_over_estimated"
+        sample = self.metrics.registry.get_sample_value
+        return (sample(f"{name}_count", LABELS) or 0.0,
+                sample(f"{name}_bucket", {**LABELS, "le": "1.0"}) or 0.0)
+
+    def close(self) -> None:
+        self.batcher.close()
+        self.executor.shutdown(wait=True)
+        self.engine.close()
+
+
+def words(n: int, tag: int) -> str:
+    return " ".join(f"w{tag}x{i}" for i in range(n))
+
+
+class Gate:
+    """An inference that blocks until released: ``sleep`` for the fake engine."""
+
+    def __init__(self) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, seconds: float) -> None:
+        self.entered.set()
+        assert self.release.wait(10), "the test never released the inference"
+
+
+async def test_requests_waiting_while_a_pass_runs_form_the_next_pass_together() -> None:
+    gate = Gate()
+    replica = Replica(budget_bytes=10**6, max_batch_size=8, sleep=gate)
+    try:
+        first = asyncio.create_task(replica.embed([words(3, 0)]))
+        await asyncio.to_thread(gate.entered.wait, 10)  # pass 1 holds the thread
+        backlog = [asyncio.create_task(replica.embed([words(3 + k, k)])) for k in range(1, 4)]
+        for _ in range(10):  # let them through the gate into the batcher
+            await asyncio.sleep(0)
+        assert replica.batcher.passes == 1
+        gate.release.set()
+        rows = await asyncio.gather(first, *backlog)
+        await replica.settle()
+        assert replica.batcher.passes == 2  # the three waiting requests ran as one pass
+        assert replica.inference.total == 2
+        assert [r.shape for r in rows] == [(1, replica.engine.dimensions)] * 4
+        assert replica.passes_within_leases() == (2.0, 2.0)
+        assert_idle(replica.gate.queue)
+    finally:
+        gate.release.set()
+        replica.close()
+
+
+async def test_completions_share_a_pass_with_their_own_kind_and_parameters() -> None:
+    gate = Gate()
+    replica = Replica(budget_bytes=10**6, max_batch_size=8, sleep=gate)
+    greedy, longer = GenerationParams(max_tokens=4, temperature=0.0), \
+        GenerationParams(max_tokens=8, temperature=0.0)
+    requests = [("the quick brown fox", greedy), ("a b c", greedy), ("one two", longer),
+                ("x y z w", greedy)]
+    try:
+        first = asyncio.create_task(replica.embed([words(3, 0)]))
+        await asyncio.to_thread(gate.entered.wait, 10)
+        waiting = [asyncio.create_task(replica.complete(p, params)) for p, params in requests]
+        for _ in range(10):
+            await asyncio.sleep(0)
+        gate.release.set()
+        outputs = await asyncio.gather(*waiting)
+        await first
+        await replica.settle()
+        # embed | the three max_tokens=4 prompts | the max_tokens=8 one
+        assert replica.batcher.passes == 3 and replica.inference.total == 3
+        reference = FakeEngine(SimulatedDevice(1 << 40), weights_bytes=0, bytes_per_token=1)
+        assert outputs == [reference.generate(p, params) for p, params in requests]
+        assert replica.passes_within_leases() == (3.0, 3.0)
+        assert_idle(replica.gate.queue)
+    finally:
+        gate.release.set()
+        replica.close()
+
+
+async def test_waiting_for_a_pass_is_queue_wait_and_bounded_by_max_queue_wait_s() -> None:
+    held_s = 0.2  # real seconds the first pass holds the thread (the bound is wall-clock)
+    gate = Gate()
+    replica = Replica(budget_bytes=10**6, max_batch_size=8, sleep=gate, max_queue_wait_s=0.1)
+    slow = Replica(budget_bytes=10**6, max_batch_size=8, sleep=Gate(), max_queue_wait_s=60)
+    try:
+        first = asyncio.create_task(replica.embed([words(3, 0)]))
+        await asyncio.to_thread(gate.entered.wait, 10)
+        late = asyncio.create_task(replica.embed([words(3, 1)]))
+        await asyncio.sleep(held_s)
+        gate.release.set()
+        await first
+        with pytest.raises(OverloadedError) as refused:
+            await late
+        assert refused.value.code == "queue_timeout" and refused.value.retry_after_s >= 1
+        await replica.settle()
+        assert replica.inference.total == 1  # the late request never ran
+        assert_idle(replica.gate.queue)
+
+        slow_gate = slow.engine.sleep
+        first = asyncio.create_task(slow.embed([words(3, 0)]))
+        await asyncio.to_thread(slow_gate.entered.wait, 10)
+        late = asyncio.create_task(slow.embed_and_wait([words(3, 1)]))
+        await asyncio.sleep(held_s)
+        slow_gate.release.set()
+        await first
+        _, waited_s = await late
+        assert waited_s >= held_s  # reported as queue wait (X-Queue-Wait-Ms)
+        await slow.settle()
+        assert_idle(slow.gate.queue)
+    finally:
+        gate.release.set()
+        slow.engine.sleep.release.set()
+        replica.close()
+        slow.close()
+
+
+async def test_a_lone_request_on_an_idle_thread_runs_at_once_and_alone() -> None:
+    replica = Replica(budget_bytes=10**6, max_batch_size=8, max_wait_ms=0)
+    try:
+        await replica.embed([words(4, 0)])
+        await replica.embed([words(4, 1)])
+        await replica.settle()
+        assert replica.batcher.passes == 2
+        assert_idle(replica.gate.queue)
+    finally:
+        replica.close()
+
+
+async def test_a_wait_for_company_ends_when_the_batch_is_full() -> None:
+    replica = Replica(budget_bytes=10**6, max_batch_size=2, max_wait_ms=60_000)
+    try:
+        rows = await asyncio.wait_for(asyncio.gather(
+            replica.embed([words(4, 0)]), replica.embed([words(4, 1)])), timeout=30)
+        await replica.settle()
+        assert replica.batcher.passes == 1 and len(rows) == 2
+        assert_idle(replica.gate.queue)
+    finally:
+        replica.close()
+
+
+async def test_closing_refuses_waiting_requests_and_returns_their_leases() -> None:
+    gate = Gate()
+    replica = Replica(budget_bytes=10**6, max_batch_size=8, sleep=gate)
+    try:
+        running = asyncio.create_task(replica.embed([words(3, 0)]))
+        await asyncio.to_thread(gate.entered.wait, 10)
+        waiting = asyncio.create_task(replica.embed([words(3, 1)]))
+        for _ in range(10):
+            await asyncio.sleep(0)
+        replica.batcher.close()
+        gate.release.set()
+        outcomes = await asyncio.gather(running, waiting, return_exceptions=True)
+        await replica.settle()
+        assert all(isinstance(o, OverloadedError) and o.code == "draining" for o in outcomes)
+        assert replica.inference.total == 1  # the running pass finished on the thread
+        assert_idle(replica.gate.queue)
+        assert replica.device.allocated_bytes == 0
+    finally:
+        gate.release.set()
+        replica.close()
+
+
+# --- random traffic --------------------------------------------------------------------------
+
+REQUEST = st.tuples(
+    st.lists(st.integers(1, 40), min_size=1, max_size=3),  # words per input
+    st.one_of(st.none(), st.integers(0, 12)),  # cancel after this many loop turns, or never
+    st.integers(0, 2))  # loop turns before the next request arrives
+
+
+@settings(max_examples=60, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(REQUEST, min_size=1, max_size=24), st.integers(1, 8), st.sampled_from([0, 2]),
+       st.integers(3, 12))
+def test_random_traffic_keeps_every_pass_within_its_leases_and_leaks_nothing(
+        requests, max_batch_size, max_wait_ms, budget_units) -> None:
+    # One unit = the price of one input padded to 64 tokens: 1..4 of the largest at a time.
+    budget_bytes = budget_units * MAX_INPUT_TOKENS * PER_TOKEN_BYTES
+    asyncio.run(_random_traffic(requests, max_batch_size, max_wait_ms, budget_bytes))
+
+
+async def _random_traffic(requests, max_batch_size: int, max_wait_ms: float,
+                          budget_bytes: int) -> None:
+    replica = Replica(budget_bytes, max_batch_size, max_wait_ms, latency_per_token_s=2e-6)
+    reference = FakeEngine(SimulatedDevice(1 << 40), weights_bytes=0, bytes_per_token=1,
+                           max_seq_tokens=MAX_INPUT_TOKENS)
+
+    async def cancel_later(task: asyncio.Task, turns: int) -> None:
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        task.cancel()
+
+    try:
+        tasks, texts, cancellers = [], [], []
+        for k, (lengths, cancel_after, gap) in enumerate(requests):
+            texts.append([words(min(n, MAX_INPUT_TOKENS - 2), 100 * k + i)
+                          for i, n in enumerate(lengths)])
+            tasks.append(asyncio.create_task(replica.embed(texts[-1])))
+            if cancel_after is not None:
+                cancellers.append(asyncio.create_task(cancel_later(tasks[-1], cancel_after)))
+            for _ in range(gap):
+                await asyncio.sleep(0)
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*cancellers)
+        await replica.settle()
+
+        for outcome, request_texts in zip(outcomes, texts, strict=True):
+            if isinstance(outcome, asyncio.CancelledError):
+                continue
+            assert not isinstance(outcome, BaseException), repr(outcome)
+            np.testing.assert_array_equal(outcome, reference.embed(request_texts))
+        assert_idle(replica.gate.queue)
+        assert replica.device.allocated_bytes == 0 and replica.device.oom_count == 0
+        observed, within = replica.passes_within_leases()
+        assert observed == replica.inference.total and within == observed
+        assert replica.inference.total <= replica.batcher.passes <= len(requests)
+    finally:
+        replica.close()
+
+
+def test_batchable_requests_are_priced_padded_to_the_next_multiple() -> None:
+    assert [priced_tokens(counts, True, PAD_TO, MAX_INPUT_TOKENS)
+            for counts in ([3, 14], [16], [17], [61], [64])] == [16, 16, 32, 64, 64]
+    assert priced_tokens([3, 14], False, PAD_TO, MAX_INPUT_TOKENS) == 14  # runs alone
+    with pytest.raises(ValueError):
+        priced_tokens([], True, PAD_TO, MAX_INPUT_TOKENS)
