@@ -88,6 +88,31 @@ TINY_LM_CORPUS = [
 ] * 20
 
 
+def _measure(args: dict[str, Any]) -> tuple[dict, int, int]:
+    """In the child process: the profile (as a dict), the largest request's price, budget."""
+    from deployments.profiling import measure_replica
+    from serve_app.config import parse_args
+
+    measured = measure_replica(parse_args(args), on_progress=lambda _: None)
+    return measured.profile.to_dict(), measured.max_request_bytes, measured.budget_bytes
+
+
+def measure_in_fresh_process(args: dict[str, Any]) -> tuple[Any, int, int]:
+    """``measure_replica`` on ``args`` in a spawned process, as a replica measures at start-up;
+    returns ``(MemoryProfile, largest request's price, budget bytes)``. Host-RSS figures taken
+    in the test runner would depend on what ran there before (a model loaded into pages an
+    earlier test freed adds little RSS: a saved profile then says the model holds 14 MB, and
+    a replica holding 146 MB refuses to reuse it) and on its other threads (a Ray driver's)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from serve_app.memory.profiler import MemoryProfile
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        raw, max_request_bytes, budget_bytes = pool.submit(_measure, args).result(timeout=600)
+    return MemoryProfile.from_dict(raw), max_request_bytes, budget_bytes
+
+
 def build_tiny_causal_lm(path: Path, num_layers: int = 2, max_positions: int = 512,
                          hidden_size: int = 64) -> Path:
     """Save a small random-weight Llama (grouped-query attention) and a word-piece BPE tokenizer

@@ -7,8 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from deployments.profiling import measure_replica
-from serve_app.config import parse_args
+from tests.support import measure_in_fresh_process
 
 # Every request: 8 inputs of exactly 32 tokens ([CLS] + 30 words + [SEP]), all priced alike.
 INPUTS_PER_REQUEST = 8
@@ -22,12 +21,13 @@ ARGS = {
 
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory):
-    """A memory profile measured here and saved, so the replica reuses it and every request's
-    price is known to the test: (profile path, price of one request in bytes)."""
-    measured = measure_replica(parse_args(ARGS), on_progress=lambda _: None)
+    """A memory profile measured (in a fresh process, as a replica measures) and saved, so the
+    replica reuses it and every request's price is known to the test: (profile path, price
+    of one request in bytes)."""
+    profile, _, _ = measure_in_fresh_process(ARGS)
     path = tmp_path_factory.mktemp("profile") / "profile.json"
-    measured.profile.save(path)
-    return path, measured.cost_model.request_bytes(INPUTS_PER_REQUEST, MAX_TOKENS)
+    profile.save(path)
+    return path, profile.cost_model.request_bytes(INPUTS_PER_REQUEST, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -7,15 +7,12 @@ Ray driver's, once the integration tests have run)."""
 
 from __future__ import annotations
 
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
-
 import pytest
 
 from deployments.profiling import measure_replica
 from serve_app.config import parse_args
-from serve_app.memory.profiler import ANALYTIC_FACTOR_BOUND, CPU_FIT_ERROR_BOUND, MemoryProfile
-from tests.support import build_tiny_causal_lm
+from serve_app.memory.profiler import ANALYTIC_FACTOR_BOUND, CPU_FIT_ERROR_BOUND
+from tests.support import build_tiny_causal_lm, measure_in_fresh_process
 
 
 @pytest.fixture(scope="module")
@@ -26,16 +23,8 @@ def tiny_lm(tmp_path_factory):
                                 hidden_size=1024)
 
 
-def _measure(args: dict) -> tuple[dict, int, int]:
-    """In the child process: the profile (as a dict), the largest request's price, budget."""
-    measured = measure_replica(parse_args(args), on_progress=lambda _: None)
-    return measured.profile.to_dict(), measured.max_request_bytes, measured.budget_bytes
-
-
 def _check(args: dict) -> None:
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        raw, max_request_bytes, budget_bytes = pool.submit(_measure, args).result(timeout=600)
-    profile = MemoryProfile.from_dict(raw)
+    profile, max_request_bytes, budget_bytes = measure_in_fresh_process(args)
     print(f"\n{args['model'].get('task', 'embed')}: fit error {profile.fit_error:.1%}, "
           f"analytic/measured {profile.analytic_ratio_range}\n{profile.table()}")
     assert [p.held_out for p in profile.points].count(True) == 2
