@@ -119,15 +119,26 @@ class Gate:
         assert self.release.wait(10), "the test never released the inference"
 
 
+async def hold_the_thread(replica: Replica, gate: Gate) -> asyncio.Task:
+    """Start a one-input pass that holds the inference thread until ``gate.release``."""
+    first = asyncio.create_task(replica.embed([words(3, 0)]))
+    await asyncio.to_thread(gate.entered.wait, 10)
+    return first
+
+
+async def let_them_reach_the_batcher() -> None:
+    """Let tasks just created pass the gate (leases at once) into the batcher's queue."""
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
 async def test_requests_waiting_while_a_pass_runs_form_the_next_pass_together() -> None:
     gate = Gate()
     replica = Replica(budget_bytes=10**6, max_batch_size=8, sleep=gate)
     try:
-        first = asyncio.create_task(replica.embed([words(3, 0)]))
-        await asyncio.to_thread(gate.entered.wait, 10)  # pass 1 holds the thread
+        first = await hold_the_thread(replica, gate)  # pass 1
         backlog = [asyncio.create_task(replica.embed([words(3 + k, k)])) for k in range(1, 4)]
-        for _ in range(10):  # let them through the gate into the batcher
-            await asyncio.sleep(0)
+        await let_them_reach_the_batcher()
         assert replica.batcher.passes == 1
         gate.release.set()
         rows = await asyncio.gather(first, *backlog)
@@ -150,11 +161,9 @@ async def test_completions_share_a_pass_with_their_own_kind_and_parameters() -> 
     requests = [("the quick brown fox", greedy), ("a b c", greedy), ("one two", longer),
                 ("x y z w", greedy)]
     try:
-        first = asyncio.create_task(replica.embed([words(3, 0)]))
-        await asyncio.to_thread(gate.entered.wait, 10)
+        first = await hold_the_thread(replica, gate)
         waiting = [asyncio.create_task(replica.complete(p, params)) for p, params in requests]
-        for _ in range(10):
-            await asyncio.sleep(0)
+        await let_them_reach_the_batcher()
         gate.release.set()
         outputs = await asyncio.gather(*waiting)
         await first
@@ -176,8 +185,7 @@ async def test_waiting_for_a_pass_is_queue_wait_and_bounded_by_max_queue_wait_s(
     replica = Replica(budget_bytes=10**6, max_batch_size=8, sleep=gate, max_queue_wait_s=0.1)
     slow = Replica(budget_bytes=10**6, max_batch_size=8, sleep=Gate(), max_queue_wait_s=60)
     try:
-        first = asyncio.create_task(replica.embed([words(3, 0)]))
-        await asyncio.to_thread(gate.entered.wait, 10)
+        first = await hold_the_thread(replica, gate)
         late = asyncio.create_task(replica.embed([words(3, 1)]))
         await asyncio.sleep(held_s)
         gate.release.set()
@@ -190,8 +198,7 @@ async def test_waiting_for_a_pass_is_queue_wait_and_bounded_by_max_queue_wait_s(
         assert_idle(replica.gate.queue)
 
         slow_gate = slow.engine.sleep
-        first = asyncio.create_task(slow.embed([words(3, 0)]))
-        await asyncio.to_thread(slow_gate.entered.wait, 10)
+        first = await hold_the_thread(slow, slow_gate)
         late = asyncio.create_task(slow.embed_and_wait([words(3, 1)]))
         await asyncio.sleep(held_s)
         slow_gate.release.set()
@@ -235,11 +242,9 @@ async def test_closing_refuses_waiting_requests_and_returns_their_leases() -> No
     gate = Gate()
     replica = Replica(budget_bytes=10**6, max_batch_size=8, sleep=gate)
     try:
-        running = asyncio.create_task(replica.embed([words(3, 0)]))
-        await asyncio.to_thread(gate.entered.wait, 10)
+        running = await hold_the_thread(replica, gate)
         waiting = asyncio.create_task(replica.embed([words(3, 1)]))
-        for _ in range(10):
-            await asyncio.sleep(0)
+        await let_them_reach_the_batcher()
         replica.batcher.close()
         gate.release.set()
         outcomes = await asyncio.gather(running, waiting, return_exceptions=True)
