@@ -129,7 +129,8 @@ def _load(args: AppArgs) -> tuple[DeviceProbe, Engine, int]:
         engine: Engine = FakeEngine(device, fake.weights_bytes, fake.bytes_per_token,
                                     fake.bytes_per_request, fake.latency_per_token_s,
                                     fake.dimensions, fake.max_seq_tokens,
-                                    fault_seed=fake.fault_seed)
+                                    fault_seed=fake.fault_seed,
+                                    latency_per_pass_s=fake.latency_per_pass_s)
         return probe, engine, device.allocated_bytes
     device_kind = resolve_device(args.model.device)
     probe = make_probe(device_kind, args)

@@ -206,6 +206,12 @@ class FakeConfig(_Section):
     latency_per_token_s: float = Field(
         0.0005, ge=0, allow_inf_nan=False, description="Seconds per token of "
         "batch x (prompt + new tokens).")
+    latency_per_pass_s: float = Field(
+        0.0, ge=0, allow_inf_nan=False, description="Fixed seconds per forward pass (an "
+        "embedding batch, a prompt's prefill, each generated token), whatever its batch: on a "
+        "GPU a pass reads every weight once, so small batches cost about what one request "
+        "does (Pope et al. 2022, 'Efficiently Scaling Transformer Inference', sec. 2). 0 = "
+        "time linear in tokens, where batching buys no throughput.")
     dimensions: int = Field(384, ge=1, description="Embedding dimensions.")
     oom_probability: float = Field(
         0.0, ge=0, le=1, description="Injected fault: each inference raises the device's "

@@ -7,7 +7,8 @@ admission, profiling, OOM handling and recovery can be tested on CPU without a m
 - a request of ``batch`` inputs padded to ``prompt`` tokens, generating ``new`` more, holds
   ``batch x (prompt + new) x bytes_per_token + bytes_per_request`` while it runs
   (:meth:`FakeEngine.request_bytes`, the ground truth a fitted cost model should find);
-- it takes ``batch x (prompt + new) x latency_per_token_s`` through the injected ``sleep``.
+- it takes ``batch x (prompt + new) x latency_per_token_s``, plus ``latency_per_pass_s`` per
+  forward pass (a batch, a prefill, each new token), through the injected ``sleep``.
 
 Every request's memory goes through :meth:`FakeEngine._hold`, the one place where fault
 injection can be added. No torch import (the device imports it only to raise an OOM).
@@ -64,6 +65,8 @@ class FakeEngine:
         bytes_per_token: device bytes per token of ``batch x (prompt + new)`` while running.
         bytes_per_request: fixed device bytes per request while running.
         latency_per_token_s: seconds per token of ``batch x (prompt + new)``.
+        latency_per_pass_s: fixed seconds per forward pass whatever its batch (an embedding
+            batch, a prompt's prefill, each generated token): what makes batching pay.
         dimensions: embedding width.
         max_seq_tokens: longest input, tokens (special tokens included); longer texts are
             truncated by :meth:`embed` and refused by :meth:`generate`.
@@ -102,13 +105,14 @@ class FakeEngine:
     hang_s: float = 3600.0
     nan_after_oom: bool = False
     fault_seed: int = 0
+    latency_per_pass_s: float = 0.0
 
     task = "fake"
 
     def __post_init__(self) -> None:
         self._faults = random.Random(self.fault_seed)
         for name in ("weights_bytes", "bytes_per_token", "bytes_per_request",
-                     "latency_per_token_s"):
+                     "latency_per_token_s", "latency_per_pass_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.shape is None:
@@ -131,7 +135,8 @@ class FakeEngine:
     def profile_run(self, batch: int, prompt_tokens: int, new_tokens: int = 0) -> None:
         """Hold exactly what a request of this shape holds, for as long as it would run."""
         with self._hold(self.request_bytes(batch, prompt_tokens, new_tokens)):
-            self.sleep(batch * (prompt_tokens + new_tokens) * self.latency_per_token_s)
+            self.sleep(batch * (prompt_tokens + new_tokens) * self.latency_per_token_s
+                       + (1 + new_tokens) * self.latency_per_pass_s)
 
     # --- embeddings ----------------------------------------------------------------------
 
@@ -149,7 +154,8 @@ class FakeEngine:
             return np.zeros((0, self.dimensions), dtype=np.float32)
         longest = min(max(self.count_tokens(texts)), self.max_seq_tokens)
         with self._hold(self.request_bytes(len(texts), longest)):
-            self.sleep(len(texts) * longest * self.latency_per_token_s)
+            self.sleep(len(texts) * longest * self.latency_per_token_s
+                       + self.latency_per_pass_s)
             return self._vectors(texts)
 
     def canary(self) -> bool:
@@ -190,9 +196,10 @@ class FakeEngine:
             raise ValueError(f"prompt of {prompt_tokens} tokens exceeds max_seq_tokens "
                              f"{self.max_seq_tokens}")
         with self._hold(self.request_bytes(1, prompt_tokens, params.max_tokens)):
-            self.sleep(prompt_tokens * self.latency_per_token_s)
-            text, reason, made = _decode(self._words(prompt, params), params, on_text,
-                                         lambda: self.sleep(self.latency_per_token_s))
+            self.sleep(prompt_tokens * self.latency_per_token_s + self.latency_per_pass_s)
+            text, reason, made = _decode(
+                self._words(prompt, params), params, on_text,
+                lambda: self.sleep(self.latency_per_token_s + self.latency_per_pass_s))
         return GenerationOutput(text, reason, prompt_tokens, made)
 
     def generate_batch(self, prompts: list[str],
@@ -215,7 +222,8 @@ class FakeEngine:
                              f"{self.max_seq_tokens}")
         longest = max(counts)
         with self._hold(self.request_bytes(len(prompts), longest, params.max_tokens)):
-            self.sleep(len(prompts) * (longest + params.max_tokens) * self.latency_per_token_s)
+            self.sleep(len(prompts) * (longest + params.max_tokens) * self.latency_per_token_s
+                       + (1 + params.max_tokens) * self.latency_per_pass_s)
             decoded = [_decode(self._words(prompt, params), params, None, lambda: None)
                        for prompt in prompts]
         return [GenerationOutput(text, reason, tokens, made)

@@ -306,3 +306,20 @@ def test_a_generation_batch_holds_one_padded_cache_and_answers_each_prompt_as_al
         engine.request_bytes(3, longest, 5)
     with pytest.raises(ValueError):
         engine.generate_batch(prompts, GenerationParams(stop=("six",)))
+
+
+def test_a_fixed_cost_per_pass_makes_a_batch_cheaper_than_its_members_apart(
+        device: SimulatedDevice, sleep: SleepLog) -> None:
+    engine = FakeEngine(device, weights_bytes=0, bytes_per_token=1, latency_per_token_s=0.001,
+                        latency_per_pass_s=0.5, sleep=sleep)
+    texts = ["a b", "c d", "e f"]  # 2 words + 2 special tokens each
+    engine.embed(texts)
+    batched_s = sleep.total_s
+    for text in texts:
+        engine.embed([text])
+    assert batched_s == pytest.approx(3 * 4 * 0.001 + 0.5)
+    assert sleep.total_s - batched_s == pytest.approx(3 * (4 * 0.001 + 0.5))
+    sleep.calls.clear()
+    engine.generate_batch(texts, greedy(max_tokens=5))  # a prefill + 5 decode passes
+    assert sleep.total_s == pytest.approx(3 * (4 + 5) * 0.001 + 6 * 0.5)
+    engine.close()
