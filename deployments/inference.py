@@ -230,7 +230,8 @@ class InferenceThread:
         return OverloadedError(
             f"waited {self._admission.max_queue_wait_s:g} s for the inference thread without "
             "starting", code="queue_timeout",
-            retry_after_s=self._gate.retry_after_s(sum(m.lease.nbytes for m in members)))
+            retry_after_s=self._gate.backlog_retry_after_s(
+                sum(m.lease.nbytes for m in members)))
 
     def failure(self, exc: RuntimeError,
                 admission: Admission | Sequence[Admission]) -> Exception:

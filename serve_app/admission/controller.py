@@ -127,6 +127,16 @@ class AdmissionController:
             self.queue.queued_bytes + nbytes - self.budget.free_bytes,
             fallback_s=self.queue.max_queue_wait_s)
 
+    def backlog_retry_after_s(self, nbytes: int) -> int:
+        """``Retry-After`` for a request of ``nbytes`` refused for want of *time* (it held a
+        lease but waited ``max_queue_wait_s`` for the inference thread): every byte leased or
+        queued now, plus its own, over the measured drain rate, i.e. how long the work already
+        admitted takes to finish. (:meth:`retry_after_s` would say 1 s there: the budget may
+        have room while the thread has none.)"""
+        return self.queue.drain.retry_after_s(
+            self.budget.reserved_bytes + self.queue.queued_bytes + nbytes,
+            fallback_s=self.queue.max_queue_wait_s)
+
     def set_budget_bytes(self, budget_bytes: int, retry_after_s: int) -> None:
         """Shrink or regrow the budget. Waiters too large for the new budget get 503 ``oom``
         with ``retry_after_s``; whoever now fits is admitted."""

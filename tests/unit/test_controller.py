@@ -305,3 +305,22 @@ async def test_a_shrunk_budget_evicts_waiters_that_no_longer_fit_and_regrowth_ad
     controller.set_budget_bytes(1000, retry_after_s=1)  # regrowth is capped at the measured
     assert controller.budget.budget_bytes == 100
     controller.release(admitted.lease)
+
+
+def test_a_refusal_for_want_of_time_waits_for_the_admitted_backlog(make_controller,
+                                                                    clock) -> None:
+    controller = make_controller(budget_bytes=1000, max_queue_len=4, max_queue_wait_s=1000.0)
+
+    async def main() -> None:
+        done = await controller.acquire(100)
+        clock.advance(2.0)
+        controller.release(done.lease)  # 100 bytes drained over 2 s: 50 bytes/s
+        held = [await controller.acquire(200) for _ in range(2)]  # admitted, not yet run
+        # Room in the budget (600 free): by bytes, a 100-byte request could go now...
+        assert controller.retry_after_s(100) == 1
+        # ...but if it waited out its bound for the thread, 400 + 100 bytes must drain first.
+        assert controller.backlog_retry_after_s(100) == 10
+        for admission in held:
+            controller.release(admission.lease)
+
+    asyncio.run(main())

@@ -1,0 +1,110 @@
+"""How a load-test response is classified. Pure: no locust, no HTTP client.
+
+The classes are mutually exclusive and follow CONTRACT.md's error table:
+
+========== =====================================================================================
+``ok``      any 2xx
+``refused`` 503 with a valid ``Retry-After`` (whole seconds >= 1) and an error code other than
+            ``oom``: the gate said "not now" (``queue_full``, ``queue_timeout``, ...). Not a
+            failure: a client is told when to come back.
+``oom``     503 with code ``oom``: the device ran out of memory on this request (or the
+            budget, shrunk after one, cannot hold it now). Counted apart from refusals although
+            it carries ``Retry-After`` too: it is what the gate exists to prevent. A failure.
+``5xx``     any other 5xx: 500, 502, 504, or a 503 *without* a valid ``Retry-After`` (a
+            contract violation). A failure.
+``4xx``     any 4xx (the load test sends only valid requests, so each one is a bug). A failure.
+``error``   no HTTP response (connection refused or reset, unexpected client timeout).
+            A failure.
+``aborted`` the client gave up on purpose before the answer came (the aborting users). Not a
+            failure: the server's job is only to release what the request held.
+========== =====================================================================================
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from enum import StrEnum
+
+
+class Outcome(StrEnum):
+    OK = "ok"
+    REFUSED = "refused"
+    OOM = "oom"
+    SERVER_ERROR = "5xx"
+    CLIENT_ERROR = "4xx"
+    ERROR = "error"
+    ABORTED = "aborted"
+
+    @property
+    def is_failure(self) -> bool:
+        """Whether locust counts it as a failure (``refused``, ``ok`` and ``aborted`` are not)."""
+        return self not in (Outcome.OK, Outcome.REFUSED, Outcome.ABORTED)
+
+
+def retry_after_s(headers: Mapping[str, str]) -> int | None:
+    """The ``Retry-After`` header as whole seconds >= 1, or ``None`` when it is missing or not
+    such a number (an HTTP date is valid HTTP but not what CONTRACT.md promises). Header names
+    are matched case-insensitively."""
+    value = next((v for k, v in headers.items() if k.lower() == "retry-after"), None)
+    if value is None or not value.strip().isdigit():
+        return None
+    seconds = int(value.strip())
+    return seconds if seconds >= 1 else None
+
+
+def error_code(body: bytes | str | None) -> str | None:
+    """``error.code`` of an OpenAI-shaped error body, or ``None`` if the body is not one."""
+    if not body:
+        return None
+    try:
+        parsed = json.loads(body)
+    except (ValueError, TypeError):
+        return None
+    error = parsed.get("error") if isinstance(parsed, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) else None
+
+
+def classify(status: int | None, headers: Mapping[str, str], code: str | None,
+             aborted: bool = False) -> Outcome:
+    """The outcome of one request (see the module docstring).
+
+    Args:
+        status: the HTTP status, or ``None``/``0`` when no response came.
+        headers: the response headers (any case).
+        code: ``error.code`` of the body (:func:`error_code`), if any.
+        aborted: the client cancelled the request on purpose before the response came.
+    """
+    if not status:
+        return Outcome.ABORTED if aborted else Outcome.ERROR
+    if 200 <= status < 300:
+        return Outcome.OK
+    if status == 503 and retry_after_s(headers) is not None:
+        return Outcome.OOM if code == "oom" else Outcome.REFUSED
+    if status >= 500:
+        return Outcome.SERVER_ERROR
+    if 400 <= status < 500:
+        return Outcome.CLIENT_ERROR
+    return Outcome.ERROR  # 1xx/3xx: never expected here
+
+
+SEPARATOR = " | "
+
+
+def entry_name(kind: str, outcome: Outcome) -> str:
+    """Locust's stats name of a request: ``kind`` for a 2xx (so locust's own table reads as
+    usual), ``kind | outcome`` otherwise, so every outcome has its own latency distribution."""
+    return kind if outcome is Outcome.OK else f"{kind}{SEPARATOR}{outcome.value}"
+
+
+def split_entry_name(name: str) -> tuple[str, Outcome]:
+    """Inverse of :func:`entry_name`.
+
+    Raises:
+        ValueError: the suffix is not an :class:`Outcome`.
+    """
+    kind, sep, outcome = name.rpartition(SEPARATOR)
+    if not sep:
+        return name, Outcome.OK
+    return kind, Outcome(outcome)

@@ -1,0 +1,49 @@
+"""The load test end to end, briefly: ``locust --headless`` with the heterogeneous mix through
+a 10x spike against the budget policy on the load-test card (``loadtest/configs/
+fake_small_card.yaml``, a quarter of its time per token so that its profile takes seconds,
+and a queue of 4 waiting at most 1 s so that the spike is refused too).
+Every non-2xx must be a 503 with ``Retry-After``, the budget must keep the device from running
+out of memory, and the replica must be idle afterwards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loadtest.run import RunSpec, Scraper, config_args, run_locust
+from loadtest.scenarios import BASELINES, apply_overrides
+from loadtest.summary import run_row
+
+CONFIG = "loadtest/configs/fake_small_card.yaml"
+
+
+@pytest.fixture(scope="module")
+def app(deploy):
+    # A short queue and wait, so that the spike is refused as well as served.
+    args = apply_overrides(config_args(CONFIG), {
+        "fake.latency_per_token_s": 0.0002, "admission.policy": "budget",
+        "admission.max_queue_len": 4, "admission.max_queue_wait_s": 1.0})
+    return deploy(args)
+
+
+def test_a_short_spike_is_refused_with_retry_after_and_never_runs_out_of_memory(
+        app, tmp_path: Path) -> None:
+    spec = RunSpec("it-spike", "fake", CONFIG, BASELINES[0], "mixed", "spike", base_users=4,
+                   pace_rps=1.0, shape_seconds=10.0)
+    scraper = Scraper(app.base_url)
+    before = scraper.scrape()
+    outcomes = run_locust(spec, app.base_url, tmp_path)
+    replicas = app.check_invariants()  # idle: nothing reserved, queued or leaked
+    row = run_row(outcomes, before, scraper.scrape(),
+                  max_queue_wait_s=app.args["admission"]["max_queue_wait_s"])
+    print(f"\nspike: {outcomes['status_codes']}, audit {outcomes['audit']}")
+    assert row["ok"] > 20 and row["refused"] > 0
+    assert row["non_2xx_all_503_retry_after"], outcomes["status_codes"]
+    assert row["oom"] == 0 and row["5xx"] == 0 and row["4xx"] == 0 and row["error"] == 0
+    assert row["replica_ooms"] == 0 and all(r["oom_count"] == 0 for r in replicas)
+    audit = outcomes["audit"]
+    assert audit.get("not_request_id_echoed", 0) == 0
+    assert audit.get("not_503_with_retry_after", 0) == 0
+    assert audit.get("not_replay_identical", 0) == 0
+    assert (tmp_path / "locust_stats_history.csv").stat().st_size > 0
