@@ -138,7 +138,7 @@ class Ingress:
             raise InvalidRequestError(
                 f"{len(texts)} inputs; the limit is {self._args.limits.max_inputs}",
                 code="input")
-        result: EmbeddingResult = await self._call_deployment(
+        result: EmbeddingResult = await self._call_model(
             self._model.embed, texts, estimated_bytes=await self._estimated_bytes(texts))
         vectors = _fit_dimensions(result.embeddings, body.dimensions)
         data = [{"object": "embedding", "index": i,
@@ -171,7 +171,7 @@ class Ingress:
 
     async def _completion(self, body: CompletionRequest, params: GenerationParams,
                           completion_id: str, created: int) -> JSONResponse:
-        result: CompletionResult = await self._call_deployment(
+        result: CompletionResult = await self._call_model(
             self._model.complete, body.prompt, params,
             estimated_bytes=await self._estimated_bytes([body.prompt], params.max_tokens))
         return JSONResponse({
@@ -188,9 +188,10 @@ class Ingress:
                                  completion_id: str, created: int) -> StreamingResponse:
         """Admission errors come before the first byte, as ordinary HTTP errors; anything
         after it goes in-band as a final ``data: {"error": ...}`` event, then ``[DONE]``."""
+        estimated_bytes = await self._estimated_bytes([prompt], params.max_tokens)
         stream = self._model.options(stream=True).complete_stream.remote(
-            prompt, params,
-            estimated_bytes=await self._estimated_bytes([prompt], params.max_tokens))
+            prompt, params, estimated_bytes=estimated_bytes, sent_at_s=time.time())
+        await self._wait_for_a_replica(stream)
         first = await self._call_deployment(lambda: stream.__anext__())
 
         def chunk(text: str, finish_reason: str | None) -> str:
@@ -322,6 +323,47 @@ class Ingress:
             return None
         batch = 1 if new_tokens else len(texts)
         return IngressPricer.price(statuses, batch, max(counts, default=0), new_tokens)
+
+    async def _call_model(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        """Call a model replica's ``method`` as :meth:`_call_deployment` does, telling it when
+        the request was sent (``sent_at_s``) and bounding the wait for a replica to accept it
+        (:meth:`_wait_for_a_replica`)."""
+        response = method.remote(*args, sent_at_s=time.time(), **kwargs)
+        await self._wait_for_a_replica(response)
+        return await self._call_deployment(lambda: response)
+
+    async def _wait_for_a_replica(self, response: Any) -> None:
+        """Wait until Ray Serve has handed ``response``'s request to a replica, at most
+        ``admission.max_queue_wait_s``. Requests wait in the handle's queue while every
+        replica has ``max_ongoing_requests`` in flight; Ray bounds that queue's length
+        (``max_queued_requests``) but not its time, so the wait is bounded here, and the
+        replica counts it against the same limit (``sent_at_s``): an admitted request waits
+        ``max_queue_wait_s`` at most in all. Past it the request is cancelled: 503
+        ``queue_timeout`` with ``Retry-After``. Other failures (back-pressure, no replica)
+        are left to surface when the response is awaited.
+
+        Uses ``DeploymentResponse._fetch_future_result_async`` (Ray Serve 2.60, pinned): it
+        resolves once a replica was chosen and the request sent, which no public API tells.
+        """
+        assigned = asyncio.ensure_future(response._fetch_future_result_async())
+        try:
+            done, _ = await asyncio.wait({assigned},
+                                         timeout=self._args.admission.max_queue_wait_s)
+        except asyncio.CancelledError:  # the client left: so does the request
+            assigned.cancel()
+            response.cancel()
+            raise
+        if done:
+            if not assigned.cancelled():
+                assigned.exception()  # retrieved here; awaiting the response raises it again
+            return
+        assigned.cancel()
+        response.cancel()
+        self._metrics.inc("admission_decisions", outcome="rejected", reason="queue_timeout")
+        raise OverloadedError(
+            f"waited {self._args.admission.max_queue_wait_s:g} s for a model replica to "
+            "accept the request", code="queue_timeout",
+            retry_after_s=await self._cluster_retry_after_s())
 
     async def _call_deployment(self, method: Any, *args: Any, **kwargs: Any) -> Any:
         """Call ``method`` (a deployment handle's method, or any coroutine function); any

@@ -91,12 +91,15 @@ class ModelServer:
         self._publisher = loop.create_task(self._publish_forever()) if registry else None
         logger.info("model replica ready: %s", self._memory)
 
-    async def embed(self, texts: list[str],
-                    estimated_bytes: int | None = None) -> EmbeddingResult:
+    async def embed(self, texts: list[str], estimated_bytes: int | None = None,
+                    sent_at_s: float | None = None) -> EmbeddingResult:
         """Embed ``texts`` (1..limits.max_inputs strings) once admitted.
 
         ``estimated_bytes`` is the caller's price, read only by the request router
-        (:mod:`deployments.router`); the replica prices the request itself.
+        (:mod:`deployments.router`); the replica prices the request itself. ``sent_at_s``:
+        when the ingress sent it (``time.time()``); the time it spent reaching this replica
+        (in Ray Serve's handle queue) counts as queue wait, within
+        ``admission.max_queue_wait_s``.
 
         Raises:
             ModelNotFoundError: this replica serves another task (404).
@@ -112,7 +115,7 @@ class ModelServer:
             self._check_tokens(n, self._max_input_tokens, f"input[{i}]", "input")
         admitted = await self._admit(
             len(token_counts), self._priced_tokens(token_counts, self._batchable(len(texts))),
-            0)
+            0, sent_at_s)
         if self._batcher is not None:
             embeddings, thread_wait_s = await self._batcher.embed(texts, token_counts, admitted)
         else:
@@ -125,12 +128,14 @@ class ModelServer:
                                _admitted(admitted, thread_wait_s), self._replica_id)
 
     async def complete(self, prompt: str, params: GenerationParams,
-                       estimated_bytes: int | None = None) -> CompletionResult:
+                       estimated_bytes: int | None = None,
+                       sent_at_s: float | None = None) -> CompletionResult:
         """Complete ``prompt`` once admitted; priced by prompt tokens + ``max_tokens``.
 
         Raises: as :meth:`embed`, with ``prompt`` / ``max_tokens`` as the offending fields.
         """
-        admitted, prompt_tokens = await self._admit_prompt(prompt, params)
+        admitted, prompt_tokens = await self._admit_prompt(prompt, params,
+                                                           sent_at_s=sent_at_s)
         if self._batchable(1, params):
             output, thread_wait_s = await self._batcher.complete(prompt, prompt_tokens, params,
                                                                  admitted)
@@ -142,6 +147,7 @@ class ModelServer:
 
     async def complete_stream(self, prompt: str, params: GenerationParams,
                               estimated_bytes: int | None = None,
+                              sent_at_s: float | None = None,
                               ) -> AsyncIterator[dict[str, Any]]:
         """Stream a completion: first ``{"admitted": Admitted}`` once the lease is held, then
         ``{"text": piece}`` items, then ``{"finish_reason", "prompt_tokens",
@@ -151,7 +157,8 @@ class ModelServer:
         When the consumer goes away, generation stops at the next token and the lease is
         released once the inference thread has returned.
         """
-        admitted, prompt_tokens = await self._admit_prompt(prompt, params, stream=True)
+        admitted, prompt_tokens = await self._admit_prompt(prompt, params, stream=True,
+                                                           sent_at_s=sent_at_s)
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue[str] = asyncio.Queue()
         consumer_gone = threading.Event()
@@ -195,18 +202,21 @@ class ModelServer:
             consumer_gone.set()
 
     async def _admit_prompt(self, prompt: str, params: GenerationParams, stream: bool = False,
-                            ) -> tuple[Admission, int]:
+                            sent_at_s: float | None = None) -> tuple[Admission, int]:
         self._require_task("generate")
         [prompt_tokens] = await asyncio.to_thread(self._engine.count_tokens, [prompt])
         self._check_tokens(prompt_tokens, self._max_input_tokens, "prompt", "prompt")
         self._check_tokens(prompt_tokens + params.max_tokens, self._engine.max_seq_tokens,
                            "prompt + max_tokens", "max_tokens")
         priced = self._priced_tokens([prompt_tokens], self._batchable(1, params, stream))
-        return await self._admit(1, priced, params.max_tokens), prompt_tokens
+        return await self._admit(1, priced, params.max_tokens, sent_at_s), prompt_tokens
 
-    async def _admit(self, batch: int, prompt_tokens: int, new_tokens: int) -> Admission:
+    async def _admit(self, batch: int, prompt_tokens: int, new_tokens: int,
+                     sent_at_s: float | None = None) -> Admission:
         """A lease for a request of this shape. Refusals are counted here (the admission
         counted once the inference thread takes the request up: :mod:`deployments.inference`).
+        The time since ``sent_at_s`` (wall clock, the ingress's; clamped at 0) counts as queue
+        wait already spent.
 
         Raises: as :meth:`AdmissionController.acquire`; ``draining`` after a device fault.
         """
@@ -216,7 +226,8 @@ class ModelServer:
             request_bytes = self._cost_model.request_bytes(batch, prompt_tokens, new_tokens)
             self._inference.log_event("arrived", request_bytes, batch=batch,
                                       prompt_tokens=prompt_tokens, new_tokens=new_tokens)
-            admission = await self._gate.acquire(self._policy.units(request_bytes))
+            waited_s = 0.0 if sent_at_s is None else max(0.0, time.time() - sent_at_s)
+            admission = await self._gate.acquire(self._policy.units(request_bytes), waited_s)
             # Kept with the lease: a batch runs outside this request's logging context.
             request_id = serve.context._get_serve_request_context().request_id
             return dataclasses.replace(admission, request_id=request_id or "")

@@ -24,7 +24,8 @@ class Admission:
 
     Attributes:
         lease: the bytes held; release with :meth:`AdmissionController.release`.
-        queue_wait_s: seconds spent waiting for the lease (0 if admitted at once).
+        queue_wait_s: seconds spent waiting for the lease, with any wait before the request
+            reached the replica (``waited_s`` of :meth:`AdmissionController.acquire`).
         queue_position: waiters ahead of it when it was queued (0 if admitted at once).
         request_id: the request's id, for logs (set by the replica; empty if unknown).
     """
@@ -60,8 +61,10 @@ class AdmissionController:
     def budget(self) -> MemoryBudget:
         return self.queue.budget
 
-    async def acquire(self, nbytes: int) -> Admission:
-        """Wait for a lease of ``nbytes``.
+    async def acquire(self, nbytes: int, waited_s: float = 0.0) -> Admission:
+        """Wait for a lease of ``nbytes``. ``waited_s``: seconds the request already waited
+        before it got here (see :meth:`AdmissionQueue.submit`); it shortens the wait allowed
+        and counts in the admission's ``queue_wait_s``.
 
         Raises:
             RequestTooLargeError: ``nbytes`` exceeds the whole measured budget (400, at once).
@@ -70,9 +73,10 @@ class AdmissionController:
                 out-of-memory error, cannot hold it now (503, with ``retry_after_s``).
             asyncio.CancelledError: the caller was cancelled; nothing stays reserved.
         """
-        decision = self.queue.submit(nbytes)
+        waited_s = max(0.0, waited_s)
+        decision = self.queue.submit(nbytes, waited_s)
         if decision.outcome is Outcome.ADMITTED:
-            return Admission(decision.lease, 0.0, 0)
+            return Admission(decision.lease, waited_s, 0)
         if decision.outcome is Outcome.REJECTED:
             raise _refusal(decision.reason, nbytes, self.queue.max_budget_bytes,
                            decision.retry_after_s, decision.queue_position)
@@ -106,7 +110,7 @@ class AdmissionController:
                     retry_after_s=retry_after_s, queue_position=waiter.position) from None
         finally:
             self._futures.pop(waiter.waiter_id, None)
-        return Admission(lease, self._clock() - waiter.enqueued_at, waiter.position)
+        return Admission(lease, waited_s + self._clock() - waiter.enqueued_at, waiter.position)
 
     def release(self, lease: Lease, *, ran: bool = True) -> None:
         """Return a lease's bytes (idempotent) and admit whoever now fits.

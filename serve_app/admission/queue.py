@@ -114,8 +114,12 @@ class AdmissionQueue:
     def queued_bytes(self) -> int:
         return self._queued_bytes
 
-    def submit(self, nbytes: int) -> Decision:
+    def submit(self, nbytes: int, waited_s: float = 0.0) -> Decision:
         """Admit ``nbytes`` now, queue it, or refuse it. Never blocks.
+
+        ``waited_s``: how long the request already waited before reaching this queue (in
+        Ray Serve's handle queue, say); a queued request's deadline is ``max_queue_wait_s``
+        after it *arrived there*, so its whole wait stays within the bound.
 
         Raises:
             ValueError: ``nbytes`` is negative.
@@ -138,7 +142,8 @@ class AdmissionQueue:
                             retry_after_s=self._retry_after_s(needed),
                             queue_position=len(self._waiters))
         now = self.clock()
-        waiter = Waiter(next(self._ids), nbytes, now, now + self.max_queue_wait_s,
+        waiter = Waiter(next(self._ids), nbytes, now,
+                        now + max(0.0, self.max_queue_wait_s - max(0.0, waited_s)),
                         position=len(self._waiters))
         self._waiters[waiter.waiter_id] = waiter
         self._queued_bytes += nbytes

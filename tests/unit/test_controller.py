@@ -324,3 +324,35 @@ def test_a_refusal_for_want_of_time_waits_for_the_admitted_backlog(make_controll
             controller.release(admission.lease)
 
     asyncio.run(main())
+
+
+def test_time_spent_before_the_replica_counts_against_the_queue_wait(make_controller,
+                                                                      clock) -> None:
+    controller = make_controller(budget_bytes=100, max_queue_len=4, max_queue_wait_s=10.0)
+
+    async def main() -> None:
+        at_once = await controller.acquire(40, waited_s=3.0)
+        assert at_once.queue_wait_s == 3.0  # admitted on arrival, after 3 s on the way
+        held = await controller.acquire(60)
+        waiter = asyncio.create_task(controller.acquire(50, waited_s=7.5))
+        await settle()
+        clock.advance(1.0)
+        controller.release(held.lease)
+        admission = await waiter
+        assert admission.queue_wait_s == 8.5
+        for granted in (at_once, admission):
+            controller.release(granted.lease)
+
+    asyncio.run(main())
+
+
+def test_a_queued_request_keeps_only_what_is_left_of_its_wait(make_queue, clock) -> None:
+    queue = make_queue(budget_bytes=100, max_queue_len=4, max_queue_wait_s=10.0)
+    held = queue.submit(100).lease
+    late = queue.submit(10, waited_s=7.5).waiter
+    gone = queue.submit(10, waited_s=12.0).waiter  # already past its bound
+    assert (late.deadline, gone.deadline) == (clock() + 2.5, clock())
+    assert queue.expire() == [gone]
+    clock.advance(2.5)
+    assert queue.expire() == [late]
+    queue.release(held)
