@@ -19,9 +19,10 @@ request at a time): 51.6 ms served with ``@serve.batch`` and a 20 ms window; the
 figures of both designs are in ``benchmarks/throughput.py``'s docstring.
 
 Requests share a pass only with requests of the same kind: embeddings with embeddings;
-completions with completions of the same ``max_tokens``, ``temperature`` and ``top_p``, not
-streamed, without stop strings or seed (one left-padded ``generate``; a lone one runs exactly
-as unbatched). A request with more inputs than ``max_batch_size`` runs alone, as with
+completions with completions of the same ``temperature`` and ``top_p``, not streamed, without
+stop strings or seed (one left-padded ``generate`` to the largest ``max_tokens``, each row cut
+at its own, and never longer than the model's context; a lone one runs exactly as
+unbatched). A request with more inputs than ``max_batch_size`` runs alone, as with
 batching off.
 """
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -50,7 +52,7 @@ logger = logging.getLogger("ray.serve")
 
 
 #: What requests must share to run in one pass: ``("embed",)``, or ``("generate",
-#: max_tokens, temperature, top_p)``.
+#: temperature, top_p)``.
 BatchKey = tuple
 
 
@@ -122,12 +124,12 @@ class RequestBatcher:
     async def complete(self, prompt: str, prompt_tokens: int, params: GenerationParams,
                        admission: Admission) -> tuple[GenerationOutput, float]:
         """Complete one admitted, :meth:`batchable` prompt with others of the same
-        ``max_tokens``, ``temperature`` and ``top_p``. Returns its output and the seconds it
-        waited for a pass and the thread.
+        ``temperature`` and ``top_p`` (any ``max_tokens``). Returns its output and the
+        seconds it waited for a pass and the thread.
 
         Raises: as :meth:`embed`.
         """
-        key = ("generate", params.max_tokens, params.temperature, params.top_p)
+        key = ("generate", params.temperature, params.top_p)
         return await self._enqueue(key, [prompt], [prompt_tokens], admission, params)
 
     async def _enqueue(self, key: BatchKey, texts: list[str], token_counts: list[int],
@@ -211,21 +213,21 @@ class RequestBatcher:
         kept.extend(self._waiting)
         self._waiting = kept
         self._waiting_inputs -= inputs
-        if not self._waiting:
+        # Requests of another kind (or beyond max_batch_size) still waiting form the next
+        # pass: the former must not sleep on an event cleared while it waited for company.
+        if self._waiting:
+            self._arrived.set()
+        else:
             self._arrived.clear()
         return taken
 
     async def _run_passes(self, taken: list[_Pending]) -> None:
         """Split ``taken`` into passes that fit their leases and run them; every member's
         caller gets its result or the exception of its pass."""
-        key = taken[0].key
         try:
-            members = [BatchMember(len(p.texts), max(p.token_counts), p.admission.lease.nbytes)
-                       for p in taken]
-            new_tokens = key[1] if key[0] == "generate" else 0
-            groups = form_batches(
-                members, lambda inputs, longest: self._price(inputs, longest, new_tokens),
-                self._config.max_batch_size)
+            members = [BatchMember(len(p.texts), max(p.token_counts), p.admission.lease.nbytes,
+                                   p.params.max_tokens if p.params else 0) for p in taken]
+            groups = form_batches(members, self._price, self._config.max_batch_size)
         except Exception as exc:  # a bug: nothing ran, so the leases go back here
             logger.exception("could not form batches")
             for pending in taken:
@@ -242,7 +244,8 @@ class RequestBatcher:
         elif len(group) == 1:  # exactly the unbatched path
             work = partial(self._engine.generate, texts[0], params)
         else:
-            work = partial(self._engine.generate_batch, texts, params)
+            work = partial(self._engine.generate_batch, texts,
+                           [pending.params for pending in group])
         self.passes += 1
         try:
             output, thread_wait_s = await self._inference.run(
@@ -266,13 +269,17 @@ class RequestBatcher:
             _settle(pending, (output[start:end], pending.batcher_wait_s + thread_wait_s))
             start = end
 
-    def _price(self, inputs: int, padded_tokens: int, new_tokens: int) -> int:
+    def _price(self, inputs: int, padded_tokens: int, new_tokens: int) -> float:
         """A pass of ``inputs`` padded to ``padded_tokens`` (+ ``new_tokens`` generated). A
         generation pass is priced ``inputs`` x one prompt's price: the profile measures
         generation at batch 1, and every activation and KV-cache tensor of a decoder has a
         leading batch dimension (the weights, shared, are held, not priced), so b rows hold
-        at most b x one row."""
+        at most b x one row. A generation pass longer than the model's context
+        (``max_seq_tokens``: the longest prompt left-padded, then the largest ``max_tokens``)
+        is priced at infinity, so that it is never formed."""
         if new_tokens:
+            if padded_tokens + new_tokens > self._engine.max_seq_tokens:
+                return math.inf
             one = self._cost_model.request_bytes(1, padded_tokens, new_tokens)
             return self._policy.units(inputs * one)
         return self._policy.units(self._cost_model.request_bytes(inputs, padded_tokens, 0))

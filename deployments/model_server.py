@@ -208,8 +208,12 @@ class ModelServer:
         self._check_tokens(prompt_tokens, self._max_input_tokens, "prompt", "prompt")
         self._check_tokens(prompt_tokens + params.max_tokens, self._engine.max_seq_tokens,
                            "prompt + max_tokens", "max_tokens")
-        priced = self._priced_tokens([prompt_tokens], self._batchable(1, params, stream))
-        return await self._admit(1, priced, params.max_tokens, sent_at_s), prompt_tokens
+        batchable = self._batchable(1, params, stream)
+        priced_new = priced_tokens([params.max_tokens], batchable,
+                                   self._args.batching.pad_to_multiple_of,
+                                   self._args.limits.max_tokens)
+        return (await self._admit(1, self._priced_tokens([prompt_tokens], batchable), priced_new,
+                                  sent_at_s), prompt_tokens)
 
     async def _admit(self, batch: int, prompt_tokens: int, new_tokens: int,
                      sent_at_s: float | None = None) -> Admission:

@@ -45,10 +45,15 @@ def slots_for(raw_args: dict[str, Any], statuses: Sequence[dict[str, Any]], mix:
         for _ in range(SAMPLES_PER_KIND):
             inputs, longest, new = payloads.shape_of(payloads.BODIES[kind](rng),
                                                      pricer.count_tokens)
-            if not new:  # the replica's rule (deployments/model_server.py)
-                batchable = cfg.enabled and inputs <= cfg.max_batch_size
-                longest = priced_tokens([longest], batchable, cfg.pad_to_multiple_of,
-                                        args.limits.max_input_tokens)
+            # The replica's rule (deployments/model_server.py): batchable requests are
+            # priced padded (the load test's completions are greedy, not streamed, no stop).
+            batchable = cfg.enabled and (cfg.completions if new else
+                                         inputs <= cfg.max_batch_size)
+            longest = priced_tokens([longest], batchable, cfg.pad_to_multiple_of,
+                                    args.limits.max_input_tokens)
+            if new:
+                new = priced_tokens([new], batchable, cfg.pad_to_multiple_of,
+                                    args.limits.max_tokens)
             price = IngressPricer.price(statuses, inputs, longest, new)
             if price is None:
                 raise ValueError("no replica published a fitted cost model")

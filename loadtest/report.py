@@ -60,7 +60,7 @@ class Workload:
             every baseline is saturated and throughput measures capacity).
         steady_s, spike_s: run lengths (full report); ``--quick`` uses its own.
         spike: run the spike shape against the budget policy.
-        spike_pace_rps: the spike users' pace: low, so that a user's period (25 s) outlasts
+        spike_pace_rps: the spike users' pace: low, so that a user's period (20 s) outlasts
             the slowest answer under overload (``max_queue_wait_s`` + a pass + the handle
             queue) and the offered load stays ten times the base.
     """
@@ -74,12 +74,12 @@ class Workload:
     steady_s: float
     spike: bool
     spike_s: float = 60.0
-    spike_pace_rps: float = 0.04
+    spike_pace_rps: float = 0.05
 
 
 WORKLOADS: tuple[Workload, ...] = (
     Workload("fake", "fake engine on a simulated 6 GiB card",
-             "loadtest/configs/fake_small_card.yaml", "mixed", 60, 0.1, 45.0, True),
+             "loadtest/configs/fake_small_card.yaml", "mixed", 150, 0.1, 45.0, True),
     Workload("minilm", "all-MiniLM-L6-v2 on CPU (1 thread)", "loadtest/configs/minilm_cpu.yaml",
              "mixed_embed", 160, 0.1, 45.0, False),
 )

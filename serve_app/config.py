@@ -242,13 +242,15 @@ class BatchingConfig(_Section):
         "once. Passes form from what waited while the thread was busy either way. Measured "
         "on 2 cores, 32 clients of single sentences: 0 ms 91.5 req/s, 5 ms 83.5 req/s.")
     pad_to_multiple_of: int = Field(
-        16, ge=1, description="A batchable request is priced as if its inputs were padded to "
-        "the next multiple of this many tokens, so that requests of similar length can share "
-        "a forward pass within their leases (over-reserving at most this many tokens per "
-        "input); 1 = priced exactly, batching only equal lengths.")
+        16, ge=1, description="A batchable request is priced as if its inputs (and a "
+        "completion's max_tokens) were padded to the next multiple of this many tokens, so "
+        "that requests of similar length can share a forward pass within their leases "
+        "(over-reserving at most this many tokens per input); 1 = priced exactly, batching "
+        "only equal lengths.")
     completions: bool = Field(
         True, description="Also batch non-streamed completions without stop strings or "
-        "seed, grouped by max_tokens, temperature and top_p (one left-padded generate).")
+        "seed, grouped by temperature and top_p (one left-padded generate to the largest "
+        "max_tokens of the pass, each row cut at its own).")
 
 
 class LoggingConfig(_Section):

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import socket
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 SENTENCES = ["A man is eating food.", "A man is eating a piece of bread.",
              "The girl is carrying a baby."]
@@ -153,3 +155,42 @@ def fake_app_args(**sections: dict) -> dict:
     for name, values in sections.items():
         base[name] = {**base.get(name, {}), **values}
     return base
+
+
+# --- /metrics -------------------------------------------------------------------------------
+
+def scrape(base_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every ``vramgate_`` sample: ``(name, sorted labels) -> value``."""
+    response = httpx.get(f"{base_url}/metrics")
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            assert sample.name.startswith("vramgate_")
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def total(samples: dict, name: str, **match: str) -> float:
+    """Sum of ``name`` over series whose labels include ``match`` (all replicas)."""
+    return sum(value for (n, labels), value in samples.items()
+               if n == name and match.items() <= dict(labels).items())
+
+
+def by_label(samples: dict, name: str, label: str) -> dict[str, float]:
+    out: dict[str, float] = defaultdict(float)
+    for (n, labels), value in samples.items():
+        if n == name:
+            out[dict(labels)[label]] += value
+    return dict(out)
+
+
+def wait_for(base_url: str, done, timeout_s: float = 15) -> dict:
+    """Scrape until ``done(samples)`` (replicas publish once a second)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = scrape(base_url)
+        if done(samples) or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.5)

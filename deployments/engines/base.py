@@ -81,12 +81,34 @@ class GenerationEngineProtocol(Engine, Protocol):
         ``finish_reason`` ``"cancelled"``."""
 
     def generate_batch(self, prompts: list[str],
-                       params: GenerationParams) -> list[GenerationOutput]:
-        """Complete ``prompts`` (>= 1) together, in one padded batch, with the same
-        ``params``, which must have no ``stop`` strings and no ``seed`` (those run alone: a
-        stop string ends one row early, a seed owns the random generator). Returns one
-        output per prompt, in order, each as :meth:`generate` would give it.
+                       params: list[GenerationParams]) -> list[GenerationOutput]:
+        """Complete ``prompts`` (>= 1) together, in one padded batch, ``params[i]`` for
+        ``prompts[i]``: they must share ``temperature`` and ``top_p`` and have no ``stop``
+        strings and no ``seed`` (those run alone: a stop string ends one row early, a seed
+        owns the random generator); ``max_tokens`` may differ (the batch generates to the
+        largest and each row is cut at its own; see :func:`batch_params`). Returns one output
+        per prompt, in order, each as :meth:`generate` would give it.
 
         Raises:
-            ValueError: ``params`` has ``stop`` strings or a ``seed``.
+            ValueError: as :func:`batch_params`.
         """
+
+
+def batch_params(params: list[GenerationParams]) -> GenerationParams:
+    """The parameters one batched ``generate`` runs with for rows of ``params``: their
+    shared ``temperature`` and ``top_p``, and the largest ``max_tokens`` (each row is cut at
+    its own afterwards: greedy decoding of a row does not depend on the other rows, so its
+    first ``n`` tokens are what it would make alone with ``max_tokens = n``).
+
+    Raises:
+        ValueError: ``params`` is empty, has ``stop`` strings or a ``seed``, or mixes
+            temperatures or top_p.
+    """
+    if not params:
+        raise ValueError("generate_batch needs at least one prompt")
+    if any(p.stop or p.seed is not None for p in params):
+        raise ValueError("generate_batch takes no stop strings and no seed")
+    if len({(p.temperature, p.top_p) for p in params}) > 1:
+        raise ValueError("rows of one generate_batch must share temperature and top_p")
+    return GenerationParams(max_tokens=max(p.max_tokens for p in params),
+                            temperature=params[0].temperature, top_p=params[0].top_p)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from deployments.engines.base import GenerationOutput, GenerationParams
+from deployments.engines.base import GenerationOutput, GenerationParams, batch_params
 from serve_app.memory.cost_model import TransformerShape
 from serve_app.memory.simulated import Allocation, SimulatedDevice
 
@@ -203,29 +203,30 @@ class FakeEngine:
         return GenerationOutput(text, reason, prompt_tokens, made)
 
     def generate_batch(self, prompts: list[str],
-                       params: GenerationParams) -> list[GenerationOutput]:
-        """Complete ``prompts`` together: holds ``request_bytes(len(prompts), longest prompt,
-        max_tokens)`` (one padded KV cache) and sleeps what that many tokens take; each
-        output is what :meth:`generate` gives its prompt alone (its own prompt tokens, the
-        same words).
+                       params: list[GenerationParams]) -> list[GenerationOutput]:
+        """Complete ``prompts`` together, ``params[i]`` for ``prompts[i]``: holds
+        ``request_bytes(len(prompts), longest prompt, largest max_tokens)`` (one padded KV
+        cache) and sleeps what that many tokens and passes take; each output is what
+        :meth:`generate` gives its prompt alone with its own ``params`` (its own prompt
+        tokens, the same words, cut at its own ``max_tokens``).
 
         Raises:
-            ValueError: ``params`` has ``stop`` strings or a ``seed``, or a prompt is longer
-                than ``max_seq_tokens``.
+            ValueError: as :func:`deployments.engines.base.batch_params`, or the longest
+                prompt + the largest ``max_tokens`` is longer than ``max_seq_tokens``.
             torch.OutOfMemoryError: the batch does not fit on the device now.
         """
-        if params.stop or params.seed is not None:
-            raise ValueError("generate_batch takes no stop strings and no seed")
+        shared = batch_params(params)
         counts = self.count_tokens(prompts)
-        if max(counts) > self.max_seq_tokens:
-            raise ValueError(f"a prompt of {max(counts)} tokens exceeds max_seq_tokens "
-                             f"{self.max_seq_tokens}")
         longest = max(counts)
-        with self._hold(self.request_bytes(len(prompts), longest, params.max_tokens)):
-            self.sleep(len(prompts) * (longest + params.max_tokens) * self.latency_per_token_s
-                       + (1 + params.max_tokens) * self.latency_per_pass_s)
-            decoded = [_decode(self._words(prompt, params), params, None, lambda: None)
-                       for prompt in prompts]
+        if longest + shared.max_tokens > self.max_seq_tokens:  # as a model's positions
+            raise ValueError(f"a batch of {longest} prompt tokens (left-padded) + "
+                             f"{shared.max_tokens} new exceeds max_seq_tokens "
+                             f"{self.max_seq_tokens}")
+        with self._hold(self.request_bytes(len(prompts), longest, shared.max_tokens)):
+            self.sleep(len(prompts) * (longest + shared.max_tokens) * self.latency_per_token_s
+                       + (1 + shared.max_tokens) * self.latency_per_pass_s)
+            decoded = [_decode(self._words(prompt, own), own, None, lambda: None)
+                       for prompt, own in zip(prompts, params, strict=True)]
         return [GenerationOutput(text, reason, tokens, made)
                 for (text, reason, made), tokens in zip(decoded, counts, strict=True)]
 

@@ -1,12 +1,13 @@
-"""Budget-aware grouping of admitted embedding requests into forward passes.
+"""Budget-aware grouping of admitted requests into forward passes.
 
 Pure: no Ray, torch or asyncio. A batch padded to its longest input costs
 ``price(total inputs, longest)``, which can exceed the sum of its members' prices (a short
-input padded to a long one's length costs what a long one costs). Each member already holds a
+input padded to a long one's length costs what a long one costs; a completion generating
+to a longer ``max_tokens`` holds its KV cache that long for every row). Each member already holds a
 lease of its own price, so a batch is formed only where its price fits the leases its members
 hold together: the device never holds more than the budget has leased (DESIGN.md's invariant).
-Members are grouped by length, so that little is lost to padding, and batches run oldest
-member first.
+Members are grouped by length (new tokens, then prompt), so that little is lost to padding,
+and batches run oldest member first.
 """
 
 from __future__ import annotations
@@ -23,26 +24,31 @@ class BatchMember:
         inputs: its number of inputs (>= 1).
         longest_tokens: tokens of its longest input (the length it is padded to).
         leased_bytes: the bytes its lease holds (its price when it was admitted).
+        new_tokens: the new tokens it was priced at (a completion's padded ``max_tokens``;
+            0 for an embedding): a pass generates to its largest member's.
     """
 
     inputs: int
     longest_tokens: int
     leased_bytes: int
+    new_tokens: int = 0
 
 
-def form_batches(members: Sequence[BatchMember], price: Callable[[int, int], int],
+def form_batches(members: Sequence[BatchMember], price: Callable[[int, int, int], float],
                  max_batch_inputs: int) -> list[list[int]]:
     """Group ``members`` (given oldest first) into batches; returns lists of indices.
 
     Every member is in exactly one batch. A batch of two or more members has at most
-    ``max_batch_inputs`` inputs in all and ``price(inputs, longest) <= sum(leased_bytes)``; a
-    member that fits with nobody runs alone (as without batching). Members are taken in order
-    of length and each joins the open batch if both limits still hold, else opens the next;
-    batches are returned in order of their oldest member, members oldest first.
+    ``max_batch_inputs`` inputs in all and ``price(inputs, longest, most new) <=
+    sum(leased_bytes)``; a member that fits with nobody runs alone (as without batching).
+    Members are taken in order of length (new tokens, then longest input) and each joins the
+    open batch if both limits still hold, else opens the next; batches are returned in order
+    of their oldest member, members oldest first.
 
     Args:
         members: the waiting requests, oldest first.
-        price: bytes of one forward pass of ``(inputs, padded length)`` (the cost model).
+        price: bytes of one pass of ``(inputs, padded length, new tokens)`` (the cost
+            model).
         max_batch_inputs: ``batching.max_batch_size``.
 
     Raises:
@@ -50,31 +56,31 @@ def form_batches(members: Sequence[BatchMember], price: Callable[[int, int], int
     """
     if max_batch_inputs < 1:
         raise ValueError(f"max_batch_inputs must be >= 1, got {max_batch_inputs}")
-    order = sorted(range(len(members)), key=lambda i: (members[i].longest_tokens, i))
+    order = sorted(range(len(members)),
+                   key=lambda i: (members[i].new_tokens, members[i].longest_tokens, i))
     batches: list[list[int]] = []
-    inputs = longest = leased = 0
+    inputs = longest = new = leased = 0
     for i in order:
         member = members[i]
-        joined_inputs = inputs + member.inputs
-        joined_longest = max(longest, member.longest_tokens)
-        joined_leased = leased + member.leased_bytes
-        if batches and joined_inputs <= max_batch_inputs and \
-                price(joined_inputs, joined_longest) <= joined_leased:
+        joined = (inputs + member.inputs, max(longest, member.longest_tokens),
+                  max(new, member.new_tokens), leased + member.leased_bytes)
+        if batches and joined[0] <= max_batch_inputs and price(*joined[:3]) <= joined[3]:
             batches[-1].append(i)
-            inputs, longest, leased = joined_inputs, joined_longest, joined_leased
         else:
             batches.append([i])
-            inputs, longest, leased = member.inputs, member.longest_tokens, member.leased_bytes
+            joined = (member.inputs, member.longest_tokens, member.new_tokens,
+                      member.leased_bytes)
+        inputs, longest, new, leased = joined
     return sorted((sorted(batch) for batch in batches), key=lambda batch: batch[0])
 
 
 def priced_tokens(token_counts: Sequence[int], batchable: bool, pad_to_multiple_of: int,
-                  max_input_tokens: int) -> int:
-    """The padded length an embedding request is priced at: its longest input, or, when it
-    can be batched, that rounded up to ``pad_to_multiple_of`` (``batching.
-    pad_to_multiple_of``) and capped at ``max_input_tokens``, so that requests of similar
-    length fit one pass within their leases (over-reserving fewer than ``pad_to_multiple_of``
-    tokens per input).
+                  limit_tokens: int) -> int:
+    """The padded length a request is priced at: its longest input (or a completion's
+    ``max_tokens``), or, when it can be batched, that rounded up to ``pad_to_multiple_of``
+    (``batching.pad_to_multiple_of``) and capped at ``limit_tokens`` (the limit of that
+    length), so that requests of similar length fit one pass within their leases
+    (over-reserving fewer than ``pad_to_multiple_of`` tokens per input).
 
     Raises:
         ValueError: ``token_counts`` is empty.
@@ -83,4 +89,4 @@ def priced_tokens(token_counts: Sequence[int], batchable: bool, pad_to_multiple_
     if not batchable:
         return longest
     padded = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
-    return min(max(padded, longest), max_input_tokens)
+    return min(max(padded, longest), limit_tokens)

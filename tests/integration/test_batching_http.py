@@ -9,8 +9,7 @@ import asyncio
 
 import httpx
 
-from tests.integration.test_metrics_http import scrape, total
-from tests.support import MiB, fake_app_args
+from tests.support import MiB, fake_app_args, scrape, total
 
 
 def _args(enabled: bool) -> dict:

@@ -12,7 +12,7 @@ import asyncio
 import httpx
 import pytest
 
-from tests.support import fake_app_args
+from tests.support import fake_app_args, scrape, total, wait_for
 
 MAX_QUEUE_WAIT_S = 1.0
 
@@ -30,13 +30,17 @@ def app(deploy):
         batching={"enabled": False}))
 
 
+async def send_eight_at_once(base_url: str) -> list[httpx.Response]:
+    text = " ".join(["w"] * 10)
+    async with httpx.AsyncClient(base_url=base_url, timeout=60,
+                                 limits=httpx.Limits(max_connections=8)) as http:
+        return await asyncio.gather(*(
+            http.post("/v1/embeddings", json={"input": text}) for _ in range(8)))
+
+
 async def test_a_request_no_replica_accepts_in_time_is_refused_and_no_wait_exceeds_the_bound(
         app):
-    text = " ".join(["w"] * 10)
-    async with httpx.AsyncClient(base_url=app.base_url, timeout=60,
-                                 limits=httpx.Limits(max_connections=8)) as http:
-        responses = await asyncio.gather(*(
-            http.post("/v1/embeddings", json={"input": text}) for _ in range(8)))
+    responses = await send_eight_at_once(app.base_url)
     ok = [r for r in responses if r.status_code == 200]
     refused = [r for r in responses if r.status_code != 200]
     print(f"\n8 at once, one at a time: {len(ok)} x 200, "
@@ -49,4 +53,33 @@ async def test_a_request_no_replica_accepts_in_time_is_refused_and_no_wait_excee
     waits_ms = [float(r.headers["x-queue-wait-ms"]) for r in ok]
     assert max(waits_ms) <= MAX_QUEUE_WAIT_S * 1000 * 1.05, waits_ms
     assert max(waits_ms) > 300  # the later admitted ones did wait on their way
+    app.check_invariants()
+
+
+def refusals_by_deployment(samples: dict) -> dict[str, float]:
+    name = "vramgate_admission_decisions_total"
+    return {deployment: total(samples, name, deployment=deployment, outcome="rejected",
+                              reason="queue_timeout")
+            for deployment in ("Ingress", "ModelServer")}
+
+
+async def test_requests_still_in_ray_serves_handle_queue_are_refused_by_the_ingress(app):
+    # Each request takes >= 0.48 s and the replica takes one at a time, so when the 1 s bound
+    # ends at most 3 of the 8 have reached it: the others are still in Ray Serve's handle
+    # queue at the ingress, which must refuse them itself (were it to wait, the replica would
+    # refuse them later, on arrival, after up to 4 s: the replica-side check alone passes the
+    # test above).
+    before = refusals_by_deployment(scrape(app.base_url))
+    responses = await send_eight_at_once(app.base_url)
+    refused = [r for r in responses if r.status_code == 503]
+    assert len(refused) >= 5, [r.status_code for r in responses]
+    after = refusals_by_deployment(wait_for(
+        app.base_url, lambda s: sum(refusals_by_deployment(s).values())
+        >= sum(before.values()) + len(refused)))
+    by_ingress = after["Ingress"] - before["Ingress"]
+    by_replica = after["ModelServer"] - before["ModelServer"]
+    print(f"\n{len(refused)} refused: {by_ingress:g} by the ingress, {by_replica:g} by the "
+          "replica")
+    assert by_ingress + by_replica == len(refused)
+    assert by_ingress >= 5
     app.check_invariants()

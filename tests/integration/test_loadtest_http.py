@@ -1,7 +1,7 @@
 """The load test end to end, briefly: ``locust --headless`` with the heterogeneous mix through
 a 10x spike against the budget policy on the load-test card (``loadtest/configs/
-fake_small_card.yaml``, a quarter of its time per token so that its profile takes seconds,
-and a queue of 4 waiting at most 1 s so that the spike is refused too).
+fake_small_card.yaml``, without its time per forward pass so that its start-up profile takes
+seconds, and a queue of 4 waiting at most 1 s so that the spike is refused too).
 Every non-2xx must be a 503 with ``Retry-After``, the budget must keep the device from running
 out of memory, and the replica must be idle afterwards."""
 
@@ -22,7 +22,7 @@ CONFIG = "loadtest/configs/fake_small_card.yaml"
 def app(deploy):
     # A short queue and wait, so that the spike is refused as well as served.
     args = apply_overrides(config_args(CONFIG), {
-        "fake.latency_per_token_s": 0.0002, "admission.policy": "budget",
+        "fake.latency_per_pass_s": 0.0, "admission.policy": "budget",
         "admission.max_queue_len": 4, "admission.max_queue_wait_s": 1.0})
     return deploy(args)
 

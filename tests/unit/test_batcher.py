@@ -14,6 +14,7 @@ import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import numpy as np
 import pytest
@@ -36,7 +37,8 @@ from tests.unit.conftest import assert_idle
 
 PER_TOKEN_BYTES = 1000
 PAD_TO = 16
-MAX_INPUT_TOKENS = 64
+MAX_INPUT_TOKENS = 64  # also the fake engine's context (max_seq_tokens)
+MAX_TOKENS = 62  # limits.max_tokens
 LABELS = {"deployment": "ModelServer", "replica": "test"}
 
 
@@ -81,8 +83,8 @@ class Replica:
         """What ``ModelServer.complete`` does with a batchable completion."""
         [count] = self.engine.count_tokens([prompt])
         tokens = priced_tokens([count], True, PAD_TO, MAX_INPUT_TOKENS)
-        admission = await self.gate.acquire(
-            self.engine.request_bytes(1, tokens, params.max_tokens))
+        new_tokens = priced_tokens([params.max_tokens], True, PAD_TO, MAX_TOKENS)
+        admission = await self.gate.acquire(self.engine.request_bytes(1, tokens, new_tokens))
         output, _ = await self.batcher.complete(prompt, count, params, admission)
         return output
 
@@ -153,13 +155,14 @@ async def test_requests_waiting_while_a_pass_runs_form_the_next_pass_together() 
         replica.close()
 
 
-async def test_completions_share_a_pass_with_their_own_kind_and_parameters() -> None:
+async def test_completions_share_a_pass_with_their_own_kind_and_sampling() -> None:
     gate = Gate()
     replica = Replica(budget_bytes=10**6, max_batch_size=8, sleep=gate)
     greedy, longer = GenerationParams(max_tokens=4, temperature=0.0), \
-        GenerationParams(max_tokens=8, temperature=0.0)
+        GenerationParams(max_tokens=9, temperature=0.0)
+    sampled = GenerationParams(max_tokens=4, temperature=0.8)
     requests = [("the quick brown fox", greedy), ("a b c", greedy), ("one two", longer),
-                ("x y z w", greedy)]
+                ("p q", sampled), ("x y z w", greedy)]
     try:
         first = await hold_the_thread(replica, gate)
         waiting = [asyncio.create_task(replica.complete(p, params)) for p, params in requests]
@@ -168,11 +171,47 @@ async def test_completions_share_a_pass_with_their_own_kind_and_parameters() -> 
         outputs = await asyncio.gather(*waiting)
         await first
         await replica.settle()
-        # embed | the three max_tokens=4 prompts | the max_tokens=8 one
+        # embed | the four greedy prompts (max_tokens 4 and 9) | the sampled one
         assert replica.batcher.passes == 3 and replica.inference.total == 3
         reference = FakeEngine(SimulatedDevice(1 << 40), weights_bytes=0, bytes_per_token=1)
-        assert outputs == [reference.generate(p, params) for p, params in requests]
+        greedy_requests = [0, 1, 2, 4]
+        assert [outputs[i] for i in greedy_requests] == \
+            [reference.generate(*requests[i]) for i in greedy_requests]
+        assert [o.completion_tokens for o in outputs] == [4, 4, 9, 4, 4]
         assert replica.passes_within_leases() == (3.0, 3.0)
+        assert_idle(replica.gate.queue)
+    finally:
+        gate.release.set()
+        replica.close()
+
+
+async def test_completions_longer_together_than_the_context_run_apart() -> None:
+    # Leases of 10 x their price (as after an OOM correction) would let these two share a
+    # pass, but a 50-token prompt left-padded beside one asking for 40 new tokens is 90
+    # tokens: more than the model's 64.
+    gate = Gate()
+    replica = Replica(budget_bytes=10**7, max_batch_size=8, sleep=gate)
+    requests = [(words(48, 1), GenerationParams(max_tokens=4, temperature=0.0)),
+                (words(3, 2), GenerationParams(max_tokens=40, temperature=0.0))]
+    try:
+        first = await hold_the_thread(replica, gate)
+        waiting = []
+        for prompt, params in requests:
+            [count] = replica.engine.count_tokens([prompt])
+            admission = await replica.gate.acquire(
+                10 * replica.engine.request_bytes(1, count, params.max_tokens))
+            waiting.append(asyncio.create_task(
+                replica.batcher.complete(prompt, count, params, admission)))
+        await let_them_reach_the_batcher()
+        gate.release.set()
+        outputs = await asyncio.gather(*waiting)
+        await first
+        await replica.settle()
+        assert replica.batcher.passes == 3  # embed | one | the other
+        reference = FakeEngine(SimulatedDevice(1 << 40), weights_bytes=0, bytes_per_token=1,
+                               max_seq_tokens=MAX_INPUT_TOKENS)
+        assert [output for output, _ in outputs] == \
+            [reference.generate(*request) for request in requests]
         assert_idle(replica.gate.queue)
     finally:
         gate.release.set()
@@ -238,6 +277,29 @@ async def test_a_wait_for_company_ends_when_the_batch_is_full() -> None:
         replica.close()
 
 
+async def test_requests_of_another_kind_left_waiting_still_run_after_a_wait_for_company(
+        ) -> None:
+    # The former clears its "arrived" event while it waits for company; a pass then takes
+    # only the embeddings, and the completion left behind must still form the next pass
+    # (it once waited for the next arrival, which might never come).
+    gate = Gate()
+    replica = Replica(budget_bytes=10**6, max_batch_size=8, max_wait_ms=20, sleep=gate)
+    try:
+        first = await hold_the_thread(replica, gate)
+        embedded = asyncio.create_task(replica.embed([words(3, 1)]))
+        completed = asyncio.create_task(
+            replica.complete("a b c", GenerationParams(max_tokens=3, temperature=0.0)))
+        await let_them_reach_the_batcher()
+        gate.release.set()
+        await asyncio.wait_for(asyncio.gather(first, embedded, completed), timeout=10)
+        await replica.settle()
+        assert replica.batcher.passes == 3 and completed.result().completion_tokens == 3
+        assert_idle(replica.gate.queue)
+    finally:
+        gate.release.set()
+        replica.close()
+
+
 async def test_closing_refuses_waiting_requests_and_returns_their_leases() -> None:
     gate = Gate()
     replica = Replica(budget_bytes=10**6, max_batch_size=8, sleep=gate)
@@ -261,7 +323,10 @@ async def test_closing_refuses_waiting_requests_and_returns_their_leases() -> No
 # --- random traffic --------------------------------------------------------------------------
 
 REQUEST = st.tuples(
-    st.lists(st.integers(1, 40), min_size=1, max_size=3),  # words per input
+    st.one_of(st.lists(st.integers(1, 40), min_size=1, max_size=3),  # embed: words per input
+              # a greedy completion: prompt words, then a share of the context left for
+              # max_tokens (prompt + max_tokens <= 64, as the replica requires)
+              st.tuples(st.integers(1, 50), st.floats(0.0, 1.0))),
     st.one_of(st.none(), st.integers(0, 12)),  # cancel after this many loop turns, or never
     st.integers(0, 2))  # loop turns before the next request arrives
 
@@ -289,11 +354,21 @@ async def _random_traffic(requests, max_batch_size: int, max_wait_ms: float,
         task.cancel()
 
     try:
-        tasks, texts, cancellers = [], [], []
-        for k, (lengths, cancel_after, gap) in enumerate(requests):
-            texts.append([words(min(n, MAX_INPUT_TOKENS - 2), 100 * k + i)
-                          for i, n in enumerate(lengths)])
-            tasks.append(asyncio.create_task(replica.embed(texts[-1])))
+        tasks, expected, cancellers = [], [], []
+        for k, (shape, cancel_after, gap) in enumerate(requests):
+            if isinstance(shape, list):
+                texts = [words(min(n, MAX_INPUT_TOKENS - 2), 100 * k + i)
+                         for i, n in enumerate(shape)]
+                tasks.append(asyncio.create_task(replica.embed(texts)))
+                expected.append(partial(reference.embed, texts))
+            else:
+                prompt_words, share = shape
+                room = MAX_INPUT_TOKENS - (prompt_words + 2)
+                params = GenerationParams(max_tokens=max(1, round(share * room)),
+                                          temperature=0.0)
+                tasks.append(asyncio.create_task(replica.complete(words(prompt_words, k),
+                                                                  params)))
+                expected.append(partial(reference.generate, words(prompt_words, k), params))
             if cancel_after is not None:
                 cancellers.append(asyncio.create_task(cancel_later(tasks[-1], cancel_after)))
             for _ in range(gap):
@@ -302,11 +377,14 @@ async def _random_traffic(requests, max_batch_size: int, max_wait_ms: float,
         await asyncio.gather(*cancellers)
         await replica.settle()
 
-        for outcome, request_texts in zip(outcomes, texts, strict=True):
+        for outcome, reference_output in zip(outcomes, expected, strict=True):
             if isinstance(outcome, asyncio.CancelledError):
                 continue
             assert not isinstance(outcome, BaseException), repr(outcome)
-            np.testing.assert_array_equal(outcome, reference.embed(request_texts))
+            if isinstance(outcome, GenerationOutput):
+                assert outcome == reference_output()
+            else:
+                np.testing.assert_array_equal(outcome, reference_output())
         assert_idle(replica.gate.queue)
         assert replica.device.allocated_bytes == 0 and replica.device.oom_count == 0
         observed, within = replica.passes_within_leases()

@@ -296,16 +296,19 @@ def test_the_canary_sees_nan_output_after_an_oom_only_when_asked_to(
 def test_a_generation_batch_holds_one_padded_cache_and_answers_each_prompt_as_alone(
         engine: FakeEngine) -> None:
     prompts = ["one two three four five", "six", "seven eight"]
-    params = GenerationParams(max_tokens=5, temperature=0.0)
-    alone = [engine.generate(prompt, params) for prompt in prompts]
+    params = [GenerationParams(max_tokens=n, temperature=0.0) for n in (5, 2, 4)]
+    alone = [engine.generate(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
     before = engine.device.reset_peak()
     together = engine.generate_batch(prompts, params)
     assert together == alone
+    assert [o.completion_tokens for o in together] == [5, 2, 4]
     longest = max(engine.count_tokens(prompts))
     assert engine.device.peak_allocated_bytes - before == \
-        engine.request_bytes(3, longest, 5)
-    with pytest.raises(ValueError):
-        engine.generate_batch(prompts, GenerationParams(stop=("six",)))
+        engine.request_bytes(3, longest, 5)  # every row's cache is as long as the largest
+    for bad in ([GenerationParams(stop=("six",))] * 3,
+                [GenerationParams(temperature=0.0)] * 2 + [GenerationParams(temperature=1.0)]):
+        with pytest.raises(ValueError):
+            engine.generate_batch(prompts, bad)
 
 
 def test_a_fixed_cost_per_pass_makes_a_batch_cheaper_than_its_members_apart(
@@ -320,6 +323,7 @@ def test_a_fixed_cost_per_pass_makes_a_batch_cheaper_than_its_members_apart(
     assert batched_s == pytest.approx(3 * 4 * 0.001 + 0.5)
     assert sleep.total_s - batched_s == pytest.approx(3 * (4 * 0.001 + 0.5))
     sleep.calls.clear()
-    engine.generate_batch(texts, greedy(max_tokens=5))  # a prefill + 5 decode passes
+    engine.generate_batch(texts, [greedy(max_tokens=5), greedy(max_tokens=2),
+                                  greedy(max_tokens=1)])  # a prefill + 5 decode passes
     assert sleep.total_s == pytest.approx(3 * (4 + 5) * 0.001 + 6 * 0.5)
     engine.close()

@@ -22,8 +22,8 @@ def engine(tmp_path_factory) -> GenerationEngine:
 
 
 def test_a_greedy_batch_gives_each_prompt_its_own_completion(engine) -> None:
-    params = GenerationParams(max_tokens=12, temperature=0.0)
-    alone = [engine.generate(prompt, params) for prompt in PROMPTS]
+    params = [GenerationParams(max_tokens=12, temperature=0.0)] * len(PROMPTS)
+    alone = [engine.generate(prompt, p) for prompt, p in zip(PROMPTS, params, strict=True)]
     together = engine.generate_batch(PROMPTS, params)
     assert together == alone
     assert [o.prompt_tokens for o in together] == engine.count_tokens(PROMPTS)
@@ -31,15 +31,29 @@ def test_a_greedy_batch_gives_each_prompt_its_own_completion(engine) -> None:
     assert {o.finish_reason for o in together} <= {"stop", "length"}
 
 
+def test_rows_with_different_max_tokens_are_each_cut_at_their_own(engine) -> None:
+    params = [GenerationParams(max_tokens=n, temperature=0.0) for n in (3, 12, 1, 7, 12)]
+    alone = [engine.generate(prompt, p) for prompt, p in zip(PROMPTS, params, strict=True)]
+    together = engine.generate_batch(PROMPTS, params)
+    assert together == alone
+    assert all(o.completion_tokens <= p.max_tokens for o, p in zip(together, params,
+                                                                     strict=True))
+
+
 def test_sampled_batches_keep_their_lengths(engine) -> None:
-    outputs = engine.generate_batch(PROMPTS[:3], GenerationParams(max_tokens=6,
-                                                                  temperature=0.9))
+    params = [GenerationParams(max_tokens=n, temperature=0.9) for n in (6, 2, 4)]
+    outputs = engine.generate_batch(PROMPTS[:3], params)
     assert len(outputs) == 3
-    assert all(1 <= o.completion_tokens <= 6 for o in outputs)
+    assert all(1 <= o.completion_tokens <= p.max_tokens for o, p in zip(outputs, params,
+                                                                          strict=True))
 
 
-@pytest.mark.parametrize("params", [GenerationParams(temperature=0.0, stop=("fox",)),
-                                    GenerationParams(temperature=0.9, seed=3)])
-def test_stop_strings_and_seeds_are_not_batched(engine, params) -> None:
+@pytest.mark.parametrize("params", [
+    [GenerationParams(temperature=0.0, stop=("fox",))] * 2,
+    [GenerationParams(temperature=0.9, seed=3)] * 2,
+    [GenerationParams(temperature=0.0), GenerationParams(temperature=0.9)],
+    [GenerationParams(temperature=0.9, top_p=0.5), GenerationParams(temperature=0.9)],
+])
+def test_stop_strings_seeds_and_mixed_sampling_are_not_batched(engine, params) -> None:
     with pytest.raises(ValueError):
         engine.generate_batch(PROMPTS[:2], params)
