@@ -1,11 +1,12 @@
 """Budget-aware grouping of admitted requests into forward passes.
 
 Pure: no Ray, torch or asyncio. A batch padded to its longest input costs
-``price(total inputs, longest)``, which can exceed the sum of its members' prices (a short
-input padded to a long one's length costs what a long one costs; a completion generating
-to a longer ``max_tokens`` holds its KV cache that long for every row). Each member already holds a
-lease of its own price, so a batch is formed only where its price fits the leases its members
-hold together: the device never holds more than the budget has leased (DESIGN.md's invariant).
+``price(total inputs, longest, most new tokens)``, which can exceed the sum of its members'
+prices (a short input padded to a long one's length costs what a long one costs; a batch of
+completions generates to its largest ``max_tokens``, and holds every row's KV cache that
+long). Each member already holds a lease of its own price, so a batch is formed only where its
+price fits the leases its members hold together: the device never holds more than the budget
+has leased (DESIGN.md's invariant).
 Members are grouped by length (new tokens, then prompt), so that little is lost to padding,
 and batches run oldest member first.
 """
@@ -24,8 +25,8 @@ class BatchMember:
         inputs: its number of inputs (>= 1).
         longest_tokens: tokens of its longest input (the length it is padded to).
         leased_bytes: the bytes its lease holds (its price when it was admitted).
-        new_tokens: the new tokens it was priced at (a completion's padded ``max_tokens``;
-            0 for an embedding): a pass generates to its largest member's.
+        new_tokens: a completion's ``max_tokens`` (0 for an embedding): a pass generates
+            to its largest member's.
     """
 
     inputs: int
