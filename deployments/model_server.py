@@ -28,7 +28,7 @@ from deployments.inference import InferenceThread
 from deployments.profiling import measure_replica
 from deployments.registry import PUBLISH_PERIOD_S
 from serve_app.admission.aimd import AimdBudget
-from serve_app.admission.batching import priced_tokens
+from serve_app.admission.batching import priced_shape
 from serve_app.admission.controller import Admission, AdmissionController
 from serve_app.admission.policy import AdmissionPolicy
 from serve_app.config import parse_args
@@ -114,8 +114,8 @@ class ModelServer:
         for i, n in enumerate(token_counts):
             self._check_tokens(n, self._max_input_tokens, f"input[{i}]", "input")
         admitted = await self._admit(
-            len(token_counts), self._priced_tokens(token_counts, self._batchable(len(texts))),
-            0, sent_at_s)
+            len(token_counts), *self._priced_shape(token_counts, 0, self._batchable(len(texts))),
+            sent_at_s)
         if self._batcher is not None:
             embeddings, thread_wait_s = await self._batcher.embed(texts, token_counts, admitted)
         else:
@@ -208,12 +208,9 @@ class ModelServer:
         self._check_tokens(prompt_tokens, self._max_input_tokens, "prompt", "prompt")
         self._check_tokens(prompt_tokens + params.max_tokens, self._engine.max_seq_tokens,
                            "prompt + max_tokens", "max_tokens")
-        batchable = self._batchable(1, params, stream)
-        priced_new = priced_tokens([params.max_tokens], batchable,
-                                   self._args.batching.pad_to_multiple_of,
-                                   self._args.limits.max_tokens)
-        return (await self._admit(1, self._priced_tokens([prompt_tokens], batchable), priced_new,
-                                  sent_at_s), prompt_tokens)
+        shape = self._priced_shape([prompt_tokens], params.max_tokens,
+                                   self._batchable(1, params, stream))
+        return await self._admit(1, *shape, sent_at_s), prompt_tokens
 
     async def _admit(self, batch: int, prompt_tokens: int, new_tokens: int,
                      sent_at_s: float | None = None) -> Admission:
@@ -242,9 +239,11 @@ class ModelServer:
             self._metrics.inc("admission_decisions", outcome="cancelled", reason="client_gone")
             raise
 
-    def _priced_tokens(self, token_counts: list[int], batchable: bool) -> int:
-        return priced_tokens(token_counts, batchable, self._args.batching.pad_to_multiple_of,
-                             self._max_input_tokens)
+    def _priced_shape(self, token_counts: list[int], new_tokens: int,
+                      batchable: bool) -> tuple[int, int]:
+        return priced_shape(token_counts, new_tokens, batchable,
+                            self._args.batching.pad_to_multiple_of, self._max_input_tokens,
+                            self._args.limits.max_tokens)
 
     def _batchable(self, inputs: int, params: GenerationParams | None = None,
                    stream: bool = False) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 from loadtest import payloads
 from loadtest.scenarios import MIXES, kind_shares
 from loadtest.summary import mean_price_bytes, slot_count
-from serve_app.admission.batching import priced_tokens
+from serve_app.admission.batching import priced_shape
 
 SAMPLES_PER_KIND = 200
 
@@ -49,11 +49,8 @@ def slots_for(raw_args: dict[str, Any], statuses: Sequence[dict[str, Any]], mix:
             # priced padded (the load test's completions are greedy, not streamed, no stop).
             batchable = cfg.enabled and (cfg.completions if new else
                                          inputs <= cfg.max_batch_size)
-            longest = priced_tokens([longest], batchable, cfg.pad_to_multiple_of,
-                                    args.limits.max_input_tokens)
-            if new:
-                new = priced_tokens([new], batchable, cfg.pad_to_multiple_of,
-                                    args.limits.max_tokens)
+            longest, new = priced_shape([longest], new, batchable, cfg.pad_to_multiple_of,
+                                        args.limits.max_input_tokens, args.limits.max_tokens)
             price = IngressPricer.price(statuses, inputs, longest, new)
             if price is None:
                 raise ValueError("no replica published a fitted cost model")

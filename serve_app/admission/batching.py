@@ -91,3 +91,21 @@ def priced_tokens(token_counts: Sequence[int], batchable: bool, pad_to_multiple_
         return longest
     padded = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
     return min(max(padded, longest), limit_tokens)
+
+
+def priced_shape(token_counts: Sequence[int], new_tokens: int, batchable: bool,
+                 pad_to_multiple_of: int, max_input_tokens: int,
+                 max_tokens: int) -> tuple[int, int]:
+    """``(prompt tokens, new tokens)`` a request is priced at (with its number of inputs,
+    the cost model's shape): its longest input and, for a completion, its ``max_tokens``
+    (``new_tokens``; 0 for an embedding), each padded by :func:`priced_tokens` when the
+    request can be batched, capped at ``limits.max_input_tokens`` and ``limits.max_tokens``.
+    The replica's rule; the load test's slot count prices with it too.
+
+    Raises:
+        ValueError: ``token_counts`` is empty.
+    """
+    prompt = priced_tokens(token_counts, batchable, pad_to_multiple_of, max_input_tokens)
+    new = priced_tokens([new_tokens], batchable, pad_to_multiple_of, max_tokens) \
+        if new_tokens else 0
+    return prompt, new

@@ -11,10 +11,13 @@ the batcher refuses what still waits with 503 ``draining``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,7 +28,7 @@ from deployments.batching import RequestBatcher
 from deployments.engines.base import GenerationOutput, GenerationParams
 from deployments.engines.fake import FakeEngine
 from deployments.inference import InferenceThread
-from serve_app.admission.batching import priced_tokens
+from serve_app.admission.batching import priced_shape, priced_tokens
 from serve_app.admission.controller import AdmissionController
 from serve_app.admission.policy import AdmissionPolicy
 from serve_app.config import AdmissionConfig, BatchingConfig
@@ -74,17 +77,17 @@ class Replica:
     async def embed_and_wait(self, texts: list[str]) -> tuple[np.ndarray, float]:
         """:meth:`embed`, and the seconds waited beyond the lease (for a pass, the thread)."""
         counts = self.engine.count_tokens(texts)
-        tokens = priced_tokens(counts, len(texts) <= self.config.max_batch_size, PAD_TO,
-                               MAX_INPUT_TOKENS)
+        tokens, _ = priced_shape(counts, 0, len(texts) <= self.config.max_batch_size, PAD_TO,
+                                 MAX_INPUT_TOKENS, MAX_TOKENS)
         admission = await self.gate.acquire(self.engine.request_bytes(len(texts), tokens))
         return await self.batcher.embed(texts, counts, admission)
 
     async def complete(self, prompt: str, params: GenerationParams) -> GenerationOutput:
         """What ``ModelServer.complete`` does with a batchable completion."""
         [count] = self.engine.count_tokens([prompt])
-        tokens = priced_tokens([count], True, PAD_TO, MAX_INPUT_TOKENS)
-        new_tokens = priced_tokens([params.max_tokens], True, PAD_TO, MAX_TOKENS)
-        admission = await self.gate.acquire(self.engine.request_bytes(1, tokens, new_tokens))
+        shape = priced_shape([count], params.max_tokens, True, PAD_TO, MAX_INPUT_TOKENS,
+                             MAX_TOKENS)
+        admission = await self.gate.acquire(self.engine.request_bytes(1, *shape))
         output, _ = await self.batcher.complete(prompt, count, params, admission)
         return output
 
@@ -128,6 +131,26 @@ async def hold_the_thread(replica: Replica, gate: Gate) -> asyncio.Task:
     return first
 
 
+@contextlib.asynccontextmanager
+async def held_replica(**options: Any) -> AsyncIterator[tuple[Replica, Gate, asyncio.Task]]:
+    """A :class:`Replica` (``options``) whose inference thread a first one-input pass holds
+    until ``gate.release``; yields ``(replica, gate, first pass)``, and releases the thread
+    and closes the replica on the way out, whatever the test did."""
+    gate = Gate()
+    replica = Replica(sleep=gate, **options)
+    try:
+        yield replica, gate, await hold_the_thread(replica, gate)
+    finally:
+        gate.release.set()
+        replica.close()
+
+
+def reference_engine() -> FakeEngine:
+    """The fake engine on a device too large to fill: what each request gives alone."""
+    return FakeEngine(SimulatedDevice(1 << 40), weights_bytes=0, bytes_per_token=1,
+                      max_seq_tokens=MAX_INPUT_TOKENS)
+
+
 async def let_them_reach_the_batcher() -> None:
     """Let tasks just created pass the gate (leases at once) into the batcher's queue."""
     for _ in range(10):
@@ -135,13 +158,10 @@ async def let_them_reach_the_batcher() -> None:
 
 
 async def test_requests_waiting_while_a_pass_runs_form_the_next_pass_together() -> None:
-    gate = Gate()
-    replica = Replica(budget_bytes=10**6, max_batch_size=8, sleep=gate)
-    try:
-        first = await hold_the_thread(replica, gate)  # pass 1
+    async with held_replica(budget_bytes=10**6, max_batch_size=8) as (replica, gate, first):
         backlog = [asyncio.create_task(replica.embed([words(3 + k, k)])) for k in range(1, 4)]
         await let_them_reach_the_batcher()
-        assert replica.batcher.passes == 1
+        assert replica.batcher.passes == 1  # the first, still running
         gate.release.set()
         rows = await asyncio.gather(first, *backlog)
         await replica.settle()
@@ -150,21 +170,15 @@ async def test_requests_waiting_while_a_pass_runs_form_the_next_pass_together() 
         assert [r.shape for r in rows] == [(1, replica.engine.dimensions)] * 4
         assert replica.passes_within_leases() == (2.0, 2.0)
         assert_idle(replica.gate.queue)
-    finally:
-        gate.release.set()
-        replica.close()
 
 
 async def test_completions_share_a_pass_with_their_own_kind_and_sampling() -> None:
-    gate = Gate()
-    replica = Replica(budget_bytes=10**6, max_batch_size=8, sleep=gate)
     greedy, longer = GenerationParams(max_tokens=4, temperature=0.0), \
         GenerationParams(max_tokens=9, temperature=0.0)
     sampled = GenerationParams(max_tokens=4, temperature=0.8)
     requests = [("the quick brown fox", greedy), ("a b c", greedy), ("one two", longer),
                 ("p q", sampled), ("x y z w", greedy)]
-    try:
-        first = await hold_the_thread(replica, gate)
+    async with held_replica(budget_bytes=10**6, max_batch_size=8) as (replica, gate, first):
         waiting = [asyncio.create_task(replica.complete(p, params)) for p, params in requests]
         await let_them_reach_the_batcher()
         gate.release.set()
@@ -173,28 +187,22 @@ async def test_completions_share_a_pass_with_their_own_kind_and_sampling() -> No
         await replica.settle()
         # embed | the four greedy prompts (max_tokens 4 and 9) | the sampled one
         assert replica.batcher.passes == 3 and replica.inference.total == 3
-        reference = FakeEngine(SimulatedDevice(1 << 40), weights_bytes=0, bytes_per_token=1)
+        reference = reference_engine()
         greedy_requests = [0, 1, 2, 4]
         assert [outputs[i] for i in greedy_requests] == \
             [reference.generate(*requests[i]) for i in greedy_requests]
         assert [o.completion_tokens for o in outputs] == [4, 4, 9, 4, 4]
         assert replica.passes_within_leases() == (3.0, 3.0)
         assert_idle(replica.gate.queue)
-    finally:
-        gate.release.set()
-        replica.close()
 
 
 async def test_completions_longer_together_than_the_context_run_apart() -> None:
     # Leases of 10 x their price (as after an OOM correction) would let these two share a
     # pass, but a 50-token prompt left-padded beside one asking for 40 new tokens is 90
     # tokens: more than the model's 64.
-    gate = Gate()
-    replica = Replica(budget_bytes=10**7, max_batch_size=8, sleep=gate)
     requests = [(words(48, 1), GenerationParams(max_tokens=4, temperature=0.0)),
                 (words(3, 2), GenerationParams(max_tokens=40, temperature=0.0))]
-    try:
-        first = await hold_the_thread(replica, gate)
+    async with held_replica(budget_bytes=10**7, max_batch_size=8) as (replica, gate, first):
         waiting = []
         for prompt, params in requests:
             [count] = replica.engine.count_tokens([prompt])
@@ -208,14 +216,10 @@ async def test_completions_longer_together_than_the_context_run_apart() -> None:
         await first
         await replica.settle()
         assert replica.batcher.passes == 3  # embed | one | the other
-        reference = FakeEngine(SimulatedDevice(1 << 40), weights_bytes=0, bytes_per_token=1,
-                               max_seq_tokens=MAX_INPUT_TOKENS)
+        reference = reference_engine()
         assert [output for output, _ in outputs] == \
             [reference.generate(*request) for request in requests]
         assert_idle(replica.gate.queue)
-    finally:
-        gate.release.set()
-        replica.close()
 
 
 async def test_waiting_for_a_pass_is_queue_wait_and_bounded_by_max_queue_wait_s() -> None:
@@ -282,10 +286,8 @@ async def test_requests_of_another_kind_left_waiting_still_run_after_a_wait_for_
     # The former clears its "arrived" event while it waits for company; a pass then takes
     # only the embeddings, and the completion left behind must still form the next pass
     # (it once waited for the next arrival, which might never come).
-    gate = Gate()
-    replica = Replica(budget_bytes=10**6, max_batch_size=8, max_wait_ms=20, sleep=gate)
-    try:
-        first = await hold_the_thread(replica, gate)
+    async with held_replica(budget_bytes=10**6, max_batch_size=8,
+                            max_wait_ms=20) as (replica, gate, first):
         embedded = asyncio.create_task(replica.embed([words(3, 1)]))
         completed = asyncio.create_task(
             replica.complete("a b c", GenerationParams(max_tokens=3, temperature=0.0)))
@@ -295,16 +297,10 @@ async def test_requests_of_another_kind_left_waiting_still_run_after_a_wait_for_
         await replica.settle()
         assert replica.batcher.passes == 3 and completed.result().completion_tokens == 3
         assert_idle(replica.gate.queue)
-    finally:
-        gate.release.set()
-        replica.close()
 
 
 async def test_closing_refuses_waiting_requests_and_returns_their_leases() -> None:
-    gate = Gate()
-    replica = Replica(budget_bytes=10**6, max_batch_size=8, sleep=gate)
-    try:
-        running = await hold_the_thread(replica, gate)
+    async with held_replica(budget_bytes=10**6, max_batch_size=8) as (replica, gate, running):
         waiting = asyncio.create_task(replica.embed([words(3, 1)]))
         await let_them_reach_the_batcher()
         replica.batcher.close()
@@ -315,9 +311,6 @@ async def test_closing_refuses_waiting_requests_and_returns_their_leases() -> No
         assert replica.inference.total == 1  # the running pass finished on the thread
         assert_idle(replica.gate.queue)
         assert replica.device.allocated_bytes == 0
-    finally:
-        gate.release.set()
-        replica.close()
 
 
 # --- random traffic --------------------------------------------------------------------------
@@ -345,8 +338,7 @@ def test_random_traffic_keeps_every_pass_within_its_leases_and_leaks_nothing(
 async def _random_traffic(requests, max_batch_size: int, max_wait_ms: float,
                           budget_bytes: int) -> None:
     replica = Replica(budget_bytes, max_batch_size, max_wait_ms, latency_per_token_s=2e-6)
-    reference = FakeEngine(SimulatedDevice(1 << 40), weights_bytes=0, bytes_per_token=1,
-                           max_seq_tokens=MAX_INPUT_TOKENS)
+    reference = reference_engine()
 
     async def cancel_later(task: asyncio.Task, turns: int) -> None:
         for _ in range(turns):
@@ -400,3 +392,9 @@ def test_batchable_requests_are_priced_padded_to_the_next_multiple() -> None:
     assert priced_tokens([3, 14], False, PAD_TO, MAX_INPUT_TOKENS) == 14  # runs alone
     with pytest.raises(ValueError):
         priced_tokens([], True, PAD_TO, MAX_INPUT_TOKENS)
+    # A completion's max_tokens is padded too, capped at limits.max_tokens; an embedding
+    # generates nothing.
+    assert priced_shape([10], 30, True, PAD_TO, MAX_INPUT_TOKENS, MAX_TOKENS) == (16, 32)
+    assert priced_shape([10], 61, True, PAD_TO, MAX_INPUT_TOKENS, MAX_TOKENS) == (16, 62)
+    assert priced_shape([10], 30, False, PAD_TO, MAX_INPUT_TOKENS, MAX_TOKENS) == (10, 30)
+    assert priced_shape([3, 14], 0, True, PAD_TO, MAX_INPUT_TOKENS, MAX_TOKENS) == (16, 0)
