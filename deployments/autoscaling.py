@@ -7,8 +7,9 @@ and hands the decision and the state to carry back to Ray. The formula and the r
 
 Where the figures come from (Ray Serve 2.60)
 --------------------------------------------
-Each model replica's ``record_autoscaling_stats()`` returns :func:`replica_autoscaling_stats`
-(the keys below, numbers only: a first return that is not ``dict[str, int | float]`` turns
+Each model replica's ``record_autoscaling_stats()`` returns
+:meth:`serve_app.replica_state.ReplicaState.to_autoscaling_stats` (the ``AUTOSCALING_*`` keys
+declared there, numbers only: a first return that is not ``dict[str, int | float]`` turns
 custom metrics off for that replica for good). The replica samples it every
 ``min(look_back_period_s x 0.2, metrics_interval_s)`` s and pushes the samples of the last
 ``look_back_period_s`` to the controller every ``metrics_interval_s`` s; only deployments with
@@ -53,21 +54,18 @@ from serve_app.autoscaling import (
     ScalingState,
     decide,
 )
+from serve_app.replica_state import (
+    AUTOSCALING_BUDGET_BYTES_KEY,
+    AUTOSCALING_QUEUE_DEPTH_KEY,
+    AUTOSCALING_QUEUED_BYTES_KEY,
+    AUTOSCALING_RESERVED_BYTES_KEY,
+    AUTOSCALING_RUNNING_REQUESTS_KEY,
+)
 
 if TYPE_CHECKING:
     from ray.serve.config import AutoscalingContext
 
 logger = logging.getLogger("ray.serve")
-
-#: Keys of the dict a model replica's ``record_autoscaling_stats()`` returns. Prefixed: Ray
-#: stores custom metrics beside its own (``running_requests``) in one dict per replica.
-QUEUE_DEPTH_KEY = "vramgate_queue_depth"
-QUEUED_BYTES_KEY = "vramgate_queued_bytes"
-RESERVED_BYTES_KEY = "vramgate_reserved_bytes"
-BUDGET_BYTES_KEY = "vramgate_budget_bytes"
-RUNNING_REQUESTS_KEY = "vramgate_running_requests"
-METRIC_KEYS = (QUEUE_DEPTH_KEY, QUEUED_BYTES_KEY, RESERVED_BYTES_KEY, BUDGET_BYTES_KEY,
-               RUNNING_REQUESTS_KEY)
 
 QUEUE_POLICY_CLASS_PATH = "deployments.autoscaling:QueueAutoscalingPolicy"
 """``autoscaling_config.policy.policy_function`` of the model deployment."""
@@ -78,35 +76,24 @@ DEFAULT_CONFIG = AutoscalingPolicyConfig()
 _warned_ray_delays = False
 
 
-def replica_autoscaling_stats(status: Mapping[str, Any]) -> dict[str, float]:
-    """What a model replica's ``record_autoscaling_stats()`` returns, from its
-    ``ModelServer.status()`` dict (``queue_depth``, ``queued_bytes``, ``reserved_bytes``,
-    ``budget_bytes``, ``active_leases``); all values are floats."""
-    return {QUEUE_DEPTH_KEY: float(status["queue_depth"]),
-            QUEUED_BYTES_KEY: float(status["queued_bytes"]),
-            RESERVED_BYTES_KEY: float(status["reserved_bytes"]),
-            BUDGET_BYTES_KEY: float(status["budget_bytes"]),
-            RUNNING_REQUESTS_KEY: float(status["active_leases"])}
-
-
 def snapshot_from_context(ctx: AutoscalingContext) -> AutoscalingSnapshot:
     """The :class:`AutoscalingSnapshot` of Ray's context: bounds are the capacity-adjusted
-    ones, a replica counts as reported once it has a ``BUDGET_BYTES_KEY`` value (missing
-    figures of a reported replica read 0), the clock is ``ctx.current_time`` (``time.time()``,
-    the clock the carried state was written with)."""
+    ones, a replica counts as reported once it has an ``AUTOSCALING_BUDGET_BYTES_KEY`` value
+    (missing figures of a reported replica read 0), the clock is ``ctx.current_time``
+    (``time.time()``, the clock the carried state was written with)."""
     metrics: Mapping[str, Mapping[Any, float]] = ctx.aggregated_metrics or {}
-    budgets = metrics.get(BUDGET_BYTES_KEY) or {}
+    budgets = metrics.get(AUTOSCALING_BUDGET_BYTES_KEY) or {}
     running = set(ctx.running_replicas or ())
 
     def value(key: str, replica: Any) -> float:
         number = (metrics.get(key) or {}).get(replica, 0.0)
         return float(number) if number is not None and math.isfinite(number) else 0.0
 
-    loads = tuple(ReplicaLoad(queue_depth=value(QUEUE_DEPTH_KEY, r),
-                              queued_bytes=value(QUEUED_BYTES_KEY, r),
-                              reserved_bytes=value(RESERVED_BYTES_KEY, r),
-                              budget_bytes=value(BUDGET_BYTES_KEY, r),
-                              running_requests=value(RUNNING_REQUESTS_KEY, r))
+    loads = tuple(ReplicaLoad(queue_depth=value(AUTOSCALING_QUEUE_DEPTH_KEY, r),
+                              queued_bytes=value(AUTOSCALING_QUEUED_BYTES_KEY, r),
+                              reserved_bytes=value(AUTOSCALING_RESERVED_BYTES_KEY, r),
+                              budget_bytes=value(AUTOSCALING_BUDGET_BYTES_KEY, r),
+                              running_requests=value(AUTOSCALING_RUNNING_REQUESTS_KEY, r))
                   for r in budgets if not running or r in running)
     queued_at_handles = ctx.total_queued_requests
     now = ctx.current_time

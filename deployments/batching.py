@@ -4,10 +4,11 @@ Admitted requests wait in one FIFO; a single former task takes what waits whenev
 replica's inference thread is free (up to ``batching.max_batch_size`` inputs), splits it with
 :func:`serve_app.admission.batching.form_batches` so that every forward pass is priced as a
 whole and fits the leases of its members, and runs the passes on the thread
-(:class:`deployments.inference.InferenceThread`), which releases every member's lease when it
-is done with it. Requests arriving while a pass runs form the next one, so under load a batch
-is as large as the backlog, and an idle replica starts a lone request at once (unless
-``batching.max_wait_ms`` asks it to wait for company, as Triton's ``max_queue_delay``).
+(:class:`deployments.inference.InferenceThread`); a member's lease goes back once the thread
+is done with its pass (:mod:`serve_app.admission.ticket`). Requests arriving while a pass
+runs form the next one, so under load a batch is as large as the backlog, and an idle
+replica starts a lone request at once (unless ``batching.max_wait_ms`` asks it to wait for
+company, as Triton's ``max_queue_delay``).
 
 Why not Ray Serve's ``@serve.batch`` (used until this was measured): its loop
 (``ray/serve/batching.py``, ``_BatchQueue._process_batches``) forms the next batch as soon as
@@ -18,18 +19,17 @@ waits the whole window. Measured on 2 cores (``python -m benchmarks.latency``, o
 request at a time): 51.6 ms served with ``@serve.batch`` and a 20 ms window; the throughput
 figures of both designs are in ``benchmarks/throughput.py``'s docstring.
 
-Requests share a pass only with requests of the same kind: embeddings with embeddings;
-completions with completions of the same ``temperature`` and ``top_p``, not streamed, without
-stop strings or seed (one left-padded ``generate`` to the largest ``max_tokens``, each row cut
-at its own, and never longer than the model's context; a lone one runs exactly as
-unbatched). A request with more inputs than ``max_batch_size`` runs alone, as with
-batching off.
+Requests share a pass only with requests of the same batch key (:mod:`serve_app.kinds`):
+embeddings with embeddings; completions with completions of the same ``temperature`` and
+``top_p``, not streamed, without stop strings or seed (one left-padded ``generate`` to the
+largest ``max_tokens``, each row cut at its own, and never longer than the model's context; a
+lone one runs exactly as unbatched). A request without a batch key (e.g. more inputs than
+``max_batch_size``) runs alone, as with batching off.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import math
 import time
@@ -38,40 +38,33 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-import numpy as np
-
-from deployments.engines.base import GenerationOutput, GenerationParams
+from deployments.device_health import draining_error
 from deployments.inference import InferenceThread
 from serve_app.admission.batching import BatchMember, form_batches
-from serve_app.admission.controller import Admission, AdmissionController
-from serve_app.admission.policy import AdmissionPolicy
+from serve_app.admission.ticket import Ticket
 from serve_app.config import BatchingConfig
-from serve_app.memory.cost_model import CostModel
+from serve_app.kinds import KINDS
+from serve_app.memory.cost_model import Shape
+from serve_app.pricing import Pricer
 
 logger = logging.getLogger("ray.serve")
 
 
-#: What requests must share to run in one pass: ``("embed",)``, or ``("generate",
-#: temperature, top_p)``.
-BatchKey = tuple
-
-
-@dataclass
+@dataclass(eq=False)
 class _Pending:
-    """One admitted request waiting to be batched. Exactly one side owns its lease: the
-    caller until ``handed`` (the former took it into a pass), the pass after; ``gone``: the
-    caller left (and released it) before that."""
+    """One admitted request waiting to be batched. Its caller owns the lease until the
+    former takes it into a pass (``handed``: the ticket is claimed for the device from then);
+    ``gone``: the caller left before that."""
 
-    key: BatchKey
-    texts: list[str]  # the inputs, or the one prompt
-    token_counts: list[int]
-    admission: Admission
+    ticket: Ticket
     result: asyncio.Future = field(repr=False)
-    params: GenerationParams | None = None
     enqueued_s: float = field(default_factory=time.monotonic)
-    batcher_wait_s: float = 0.0  # from enqueued to taken into a pass
     handed: bool = False
     gone: bool = False
+
+    @property
+    def inputs(self) -> int:
+        return len(self.ticket.request.input_ids)
 
 
 class RequestBatcher:
@@ -80,80 +73,61 @@ class RequestBatcher:
 
     Args:
         inference: the replica's inference thread.
-        engine: the engine (``embed(texts)`` pads to the longest text; ``generate_batch``).
-        cost_model: prices a forward pass of ``(inputs, padded tokens, new tokens)``.
-        policy: the admission policy (prices in its units: bytes, or permits).
-        gate: the admission controller (leases of requests that never reach a pass).
+        engine: the engine (``run_batch`` runs one pass; ``max_seq_tokens`` its context).
+        pricer: prices a pass as the replica prices requests (:mod:`serve_app.pricing`).
         config: ``batching.*``.
     """
 
-    def __init__(self, inference: InferenceThread, engine: Any, cost_model: CostModel,
-                 policy: AdmissionPolicy, gate: AdmissionController,
+    def __init__(self, inference: InferenceThread, engine: Any, pricer: Pricer,
                  config: BatchingConfig) -> None:
-        self._inference, self._engine, self._cost_model = inference, engine, cost_model
-        self._policy, self._gate, self._config = policy, gate, config
+        self._inference, self._engine, self._pricer = inference, engine, pricer
+        self._config = config
         self._waiting: deque[_Pending] = deque()
         self._waiting_inputs = 0  # inputs of the live requests in _waiting
         self._arrived = asyncio.Event()
         self.passes = 0  # forward passes started, for tests and status
         self._former = asyncio.get_running_loop().create_task(self._form_forever())
 
-    def batchable(self, inputs: int, params: GenerationParams | None = None,
-                  stream: bool = False) -> bool:
-        """Whether a request may share passes: at most ``max_batch_size`` inputs, and for a
-        completion ``batching.completions`` on, not streamed, no stop strings, no seed."""
-        if inputs > self._config.max_batch_size:
-            return False
-        return params is None or (self._config.completions and not stream
-                                  and not params.stop and params.seed is None)
+    async def run(self, ticket: Ticket) -> Any:
+        """Run one admitted request: alone when it has no ``batch_key`` (as with batching
+        off), else as :meth:`submit`. Returns its output.
 
-    async def embed(self, texts: list[str], token_counts: list[int],
-                    admission: Admission) -> tuple[np.ndarray, float]:
-        """Embed one admitted request, batched with others where they fit. Returns its
-        ``(len(texts), dimensions)`` rows and the seconds it waited for a pass and the
-        thread (queue wait beyond the lease's).
+        Raises: as :meth:`InferenceThread.run`.
+        """
+        if ticket.request.batch_key is None:
+            self.passes += 1
+            [output] = await self._inference.run(
+                [ticket], partial(self._engine.run_batch, [ticket.request]))
+            return output
+        return await self.submit(ticket)
+
+    async def submit(self, ticket: Ticket) -> Any:
+        """Run one admitted request (its ``batch_key`` set) in a pass with others of the
+        same key, where they fit. Returns its output; its ``ticket.waited_s`` grows by the
+        time it waited for a pass and the thread (queue wait beyond the lease's).
 
         Raises: as :meth:`InferenceThread.run`. On any exit before a pass took the request
-        up (cancellation included), its lease is released here.
+        up (cancellation included), the ticket is left unclaimed (its caller releases it).
         """
-        if not self.batchable(len(texts)):
-            self.passes += 1
-            return await self._inference.run(admission, lambda: self._engine.embed(texts))
-        return await self._enqueue(("embed",), texts, token_counts, admission)
-
-    async def complete(self, prompt: str, prompt_tokens: int, params: GenerationParams,
-                       admission: Admission) -> tuple[GenerationOutput, float]:
-        """Complete one admitted, :meth:`batchable` prompt with others of the same
-        ``temperature`` and ``top_p`` (any ``max_tokens``). Returns its output and the
-        seconds it waited for a pass and the thread.
-
-        Raises: as :meth:`embed`.
-        """
-        key = ("generate", params.temperature, params.top_p)
-        return await self._enqueue(key, [prompt], [prompt_tokens], admission, params)
-
-    async def _enqueue(self, key: BatchKey, texts: list[str], token_counts: list[int],
-                       admission: Admission, params: GenerationParams | None = None) -> Any:
-        pending = _Pending(key, texts, token_counts, admission,
-                           asyncio.get_running_loop().create_future(), params)
+        pending = _Pending(ticket, asyncio.get_running_loop().create_future())
         self._waiting.append(pending)
-        self._waiting_inputs += len(texts)
+        self._waiting_inputs += pending.inputs
         self._arrived.set()
         try:
             return await pending.result
         except BaseException:
             if not pending.handed:
                 pending.gone = True
-                self._waiting_inputs -= len(texts)
-                self._gate.release(admission.lease, ran=False)
+                self._waiting_inputs -= pending.inputs
             raise
 
     def close(self) -> None:
         """Stop forming passes (replica shutdown): requests still waiting get 503
-        ``draining`` and their leases back; passes on the thread finish there."""
+        ``draining`` (their callers release their leases); passes on the thread finish
+        there."""
         self._former.cancel()
-        for pending in self._waiting:  # each caller releases its own lease as it raises
-            _settle(pending, self._inference.draining_error())
+        for pending in self._waiting:
+            _settle(pending, draining_error())
 
     # --- the former task ---------------------------------------------------------------
 
@@ -187,7 +161,7 @@ class RequestBatcher:
     def _take(self) -> list[_Pending]:
         """The oldest live request and the live requests after it with its key, up to
         ``max_batch_size`` inputs (others keep their places); from here on the passes own
-        their leases."""
+        their leases (the tickets are claimed)."""
         taken: list[_Pending] = []
         kept: deque[_Pending] = deque()
         inputs = 0
@@ -195,20 +169,19 @@ class RequestBatcher:
             pending = self._waiting.popleft()
             if pending.gone:
                 continue
-            if taken and (pending.key != taken[0].key
-                          or inputs + len(pending.texts) > self._config.max_batch_size):
+            key = pending.ticket.request.batch_key
+            if taken and (key != taken[0].ticket.request.batch_key
+                          or inputs + pending.inputs > self._config.max_batch_size):
                 kept.append(pending)
                 if inputs >= self._config.max_batch_size:
                     break
                 continue
             pending.handed = True
+            pending.ticket.claim()
             # Time spent here is queue wait too: it counts towards admission.max_queue_wait_s
             # (InferenceThread.wait_started) and X-Queue-Wait-Ms.
-            pending.batcher_wait_s = time.monotonic() - pending.enqueued_s
-            pending.admission = dataclasses.replace(
-                pending.admission,
-                queue_wait_s=pending.admission.queue_wait_s + pending.batcher_wait_s)
-            inputs += len(pending.texts)
+            pending.ticket.waited_s += time.monotonic() - pending.enqueued_s
+            inputs += pending.inputs
             taken.append(pending)
         kept.extend(self._waiting)
         self._waiting = kept
@@ -223,70 +196,62 @@ class RequestBatcher:
 
     async def _run_passes(self, taken: list[_Pending]) -> None:
         """Split ``taken`` into passes that fit their leases and run them; every member's
-        caller gets its result or the exception of its pass."""
+        caller gets its output or the exception of its pass. A member whose pass never
+        reached the thread (a bug, or the replica closing) is given back to its caller."""
         try:
-            members = [BatchMember(len(p.texts), max(p.token_counts), p.admission.lease.nbytes,
-                                   p.params.max_tokens if p.params else 0) for p in taken]
-            groups = form_batches(members, self._price, self._config.max_batch_size)
-        except Exception as exc:  # a bug: nothing ran, so the leases go back here
-            logger.exception("could not form batches")
+            members = [_member(p.ticket) for p in taken]
+            kind = taken[0].ticket.request.kind
+            groups = form_batches(members, partial(self._price, kind),
+                                  self._config.max_batch_size)
+            await asyncio.gather(*(self._run_pass([taken[i] for i in group])
+                                   for group in groups))
+        except Exception as exc:  # a bug: what did not run gets it
+            logger.exception("could not form or run batches")
             for pending in taken:
-                self._gate.release(pending.admission.lease, ran=False)
                 _settle(pending, exc)
-            return
-        await asyncio.gather(*(self._run_pass([taken[i] for i in group]) for group in groups))
+        finally:
+            for pending in taken:
+                if not pending.ticket.handed_to_thread:
+                    pending.ticket.device_done(ran=False)
+                    _settle(pending, draining_error())
 
     async def _run_pass(self, group: list[_Pending]) -> None:
-        texts = [text for pending in group for text in pending.texts]
-        params = group[0].params
-        if params is None:
-            work = partial(self._engine.embed, texts)
-        elif len(group) == 1:  # exactly the unbatched path
-            work = partial(self._engine.generate, texts[0], params)
-        else:
-            work = partial(self._engine.generate_batch, texts,
-                           [pending.params for pending in group])
+        tickets = [pending.ticket for pending in group]
+        work = partial(self._engine.run_batch, [t.request for t in tickets])
         self.passes += 1
         try:
-            output, thread_wait_s = await self._inference.run(
-                [pending.admission for pending in group], work)
+            outputs = await self._inference.run(tickets, work)
         except Exception as exc:  # each member's caller raises it
             for pending in group:
                 _settle(pending, exc)
             return
-        except asyncio.CancelledError:  # closed: the thread still releases the leases
+        except asyncio.CancelledError:  # closed: the thread still finishes the pass
             for pending in group:
-                _settle(pending, self._inference.draining_error())
+                _settle(pending, draining_error())
             raise
-        if params is not None:
-            outputs = output if isinstance(output, list) else [output]
-            for pending, one in zip(group, outputs, strict=True):
-                _settle(pending, (one, pending.batcher_wait_s + thread_wait_s))
-            return
-        start = 0
-        for pending in group:
-            end = start + len(pending.texts)
-            _settle(pending, (output[start:end], pending.batcher_wait_s + thread_wait_s))
-            start = end
+        for pending, output in zip(group, outputs, strict=True):
+            _settle(pending, output)
 
-    def _price(self, inputs: int, padded_tokens: int, new_tokens: int) -> float:
-        """A pass of ``inputs`` padded to ``padded_tokens`` (+ ``new_tokens`` generated). A
-        generation pass is priced ``inputs`` x one prompt's price: the profile measures
-        generation at batch 1, and every activation and KV-cache tensor of a decoder has a
-        leading batch dimension (the weights, shared, are held, not priced), so b rows hold
-        at most b x one row. A generation pass longer than the model's context
-        (``max_seq_tokens``: the longest prompt left-padded, then the largest ``max_tokens``)
-        is priced at infinity, so that it is never formed."""
-        if new_tokens:
-            if padded_tokens + new_tokens > self._engine.max_seq_tokens:
-                return math.inf
-            one = self._cost_model.request_bytes(1, padded_tokens, new_tokens)
-            return self._policy.units(inputs * one)
-        return self._policy.units(self._cost_model.request_bytes(inputs, padded_tokens, 0))
+    def _price(self, kind: str, inputs: int, padded_tokens: int, new_tokens: int) -> float:
+        """A pass of ``inputs`` padded to ``padded_tokens`` (+ ``new_tokens`` generated),
+        priced by the one rule (:func:`serve_app.pricing.shape_bytes`); a pass longer than
+        the model's context for its kind (the longest prompt left-padded, then the largest
+        ``max_tokens``) is priced at infinity, so that it is never formed."""
+        if not KINDS[kind].fits_context(padded_tokens, new_tokens, self._engine.max_seq_tokens):
+            return math.inf
+        return self._pricer.units(Shape(inputs, padded_tokens, new_tokens))
+
+
+def _member(ticket: Ticket) -> BatchMember:
+    request = ticket.request
+    new_tokens = request.params.max_tokens if request.params else 0
+    return BatchMember(len(request.input_ids), max(request.token_counts),
+                       ticket.lease.nbytes, new_tokens)
 
 
 def _settle(pending: _Pending, outcome: Any) -> None:
-    """Give a member's caller its rows, or its exception; a caller that left gets nothing."""
+    """Give a member's caller its output, or its exception; a caller that left gets
+    nothing."""
     if pending.result.done():
         return
     if isinstance(outcome, BaseException):

@@ -1,16 +1,17 @@
-"""The ingress's ASGI middlewares: the body limit, and HTTP metrics.
-
-Plain ASGI (no ``BaseHTTPMiddleware``: it would buffer streamed responses).
-"""
+"""The ingress's request guards: the body limit and HTTP metrics (plain ASGI middlewares; no
+``BaseHTTPMiddleware``: it would buffer streamed responses), and the API key (a FastAPI
+dependency of every route)."""
 
 from __future__ import annotations
 
+import hmac
 import time
 
+from fastapi import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serve_app.errors import BodyTooLargeError
-from serve_app.http_errors import error_response
+from deployments.http_errors import error_response
+from serve_app.errors import AuthenticationError, BodyTooLargeError
 from serve_app.metrics import ProcessMetrics
 
 
@@ -86,3 +87,27 @@ class BodyLimitMiddleware:
             return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
 
         await self._app(scope, replay, send)
+
+
+class BearerAuth:
+    """Every route but the probes needs ``Authorization: Bearer <key>`` when a key is
+    configured (``auth.*``); compared in constant time (``hmac.compare_digest``).
+
+    Args:
+        api_key: the key (empty: no key, every request passes).
+    """
+
+    PROBES = ("/healthz", "/readyz")
+
+    def __init__(self, api_key: str) -> None:
+        self._api_key = api_key.encode()
+
+    async def __call__(self, request: Request) -> None:
+        """Raises AuthenticationError (401) for a missing or wrong key."""
+        if not self._api_key or request.url.path in self.PROBES:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
+                                                                  self._api_key):
+            raise AuthenticationError("missing or invalid API key (send Authorization: "
+                                      "Bearer <key>)")

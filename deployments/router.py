@@ -1,7 +1,8 @@
 """Ray Serve request router that prefers replicas whose free byte budget fits the request.
 
 A thin adapter over :mod:`serve_app.routing` (pure scoring and bookkeeping): it reads each
-candidate's ``routing_stats`` and the request's ``estimated_bytes=`` keyword, ranks with
+candidate's ``routing_stats`` and the price the ingress put on the request
+(:attr:`serve_app.request.InferenceRequest.estimated_bytes`), ranks with
 :func:`~serve_app.routing.rank_replicas`, and keeps optimistic reservations between stats
 reports. Replicas stay the authority: this only orders them (DESIGN.md, "The idea", 5).
 
@@ -49,15 +50,14 @@ from ray.serve.request_router import (
 )
 
 from serve_app.routing import (
-    ESTIMATED_BYTES_KWARG,
     BudgetRouterState,
     ReplicaStats,
     Reservation,
-    estimated_bytes_from_kwargs,
+    estimated_bytes_of,
     rank_replicas,
 )
 
-__all__ = ["ESTIMATED_BYTES_KWARG", "ROUTER_CLASS_PATH", "BudgetAwareRequestRouter"]
+__all__ = ["ROUTER_CLASS_PATH", "BudgetAwareRequestRouter"]
 
 ROUTER_CLASS_PATH = "deployments.router:BudgetAwareRequestRouter"
 """``request_router_config.request_router_class`` for the model deployment."""
@@ -114,7 +114,7 @@ class BudgetAwareRequestRouter(RequestRouter):
         self._maybe_sweep()
         nbytes = None
         if pending_request is not None:
-            nbytes = estimated_bytes_from_kwargs(pending_request.kwargs)
+            nbytes = estimated_bytes_of(pending_request.args)
             self._withdraw_tentative(pending_request)  # never count a request against itself
         tiers = rank_replicas(stats, nbytes, self._budget_state.pending_by_replica(),
                               self._local_node_id,

@@ -26,6 +26,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from serve_app.request import GenerationParams
+
 WORDS = tuple("""the a man woman child dog cat house car tree river city road water light day
 night time year people world life hand part place case week company system program question
 work government number point home room mother area money story fact month lot right study book
@@ -77,10 +79,12 @@ ROUTES = {"short": "/v1/embeddings", "long": "/v1/embeddings", "mixed": "/v1/emb
           "completion": "/v1/completions"}
 
 
-def shape_of(body: dict[str, Any], count_tokens: Any) -> tuple[int, int, int]:
-    """``(inputs, longest tokens, new tokens)`` of a body, with ``count_tokens(texts) ->
-    list[int]`` the engine's token counter (special tokens included)."""
+def request_of(body: dict[str, Any]) -> tuple[str, list[str], GenerationParams | None]:
+    """``(request kind, texts, generation parameters)`` of a body, as the ingress reads it
+    (then tokenized and priced by :func:`serve_app.kinds.build_request`)."""
     if "prompt" in body:
-        return 1, count_tokens([body["prompt"]])[0], int(body.get("max_tokens", 16))
+        params = GenerationParams(max_tokens=int(body.get("max_tokens", 16)),
+                                  temperature=float(body.get("temperature", 1.0)))
+        return "generate", [body["prompt"]], params
     texts = body["input"] if isinstance(body["input"], list) else [body["input"]]
-    return len(texts), max(count_tokens(texts)), 0
+    return "embed", list(texts), None

@@ -2,9 +2,10 @@
 of a mix sizes the slot-count baseline (plain Ray Serve with ``max_ongoing_requests`` = budget
 / average request price).
 
-Prices come from the replicas' own published cost model (``/v1/status``, the fitted model the
-budget policy charges) through the ingress's pricer (:class:`deployments.pricing.IngressPricer`,
-the engine's own tokenizer), on a seeded sample of each kind of body the mix sends.
+Each body is read, tokenized and priced as the ingress does it (the engine's own front end,
+:func:`serve_app.kinds.build_request`, :func:`serve_app.pricing.estimate_units` with the cost
+model the replicas publish in ``/v1/status``: the lease a replica takes for it), on a seeded
+sample of each kind of body the mix sends.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from typing import Any
 from loadtest import payloads
 from loadtest.scenarios import MIXES, kind_shares
 from loadtest.summary import mean_price_bytes, slot_count
-from serve_app.admission.batching import priced_shape
+from serve_app.admission.policy import policy_class
+from serve_app.kinds import build_request
+from serve_app.pricing import estimate_units
 
 SAMPLES_PER_KIND = 200
 
@@ -32,26 +35,22 @@ def slots_for(raw_args: dict[str, Any], statuses: Sequence[dict[str, Any]], mix:
     Raises:
         ValueError: no replica has published a fitted cost model.
     """
-    from deployments.pricing import IngressPricer
+    from deployments.engines.registry import engine_class
     from serve_app.config import parse_args
 
     args = parse_args(raw_args)
-    pricer = IngressPricer(args)
+    front = engine_class(args).front_end(args)
+    policy = policy_class(args.admission.policy)
+    published = [status.get("cost_model") for status in statuses]
     rng = random.Random(seed)
     shares = kind_shares(MIXES[mix])
-    cfg = args.batching
     prices: dict[str, list[int]] = {}
     for kind in shares:
         for _ in range(SAMPLES_PER_KIND):
-            inputs, longest, new = payloads.shape_of(payloads.BODIES[kind](rng),
-                                                     pricer.count_tokens)
-            # The replica's rule (deployments/model_server.py): batchable requests are
-            # priced padded (the load test's completions are greedy, not streamed, no stop).
-            batchable = cfg.enabled and (cfg.completions if new else
-                                         inputs <= cfg.max_batch_size)
-            longest, new = priced_shape([longest], new, batchable, cfg.pad_to_multiple_of,
-                                        args.limits.max_input_tokens, args.limits.max_tokens)
-            price = IngressPricer.price(statuses, inputs, longest, new)
+            route_kind, texts, params = payloads.request_of(payloads.BODIES[kind](rng))
+            request = build_request(route_kind, front.tokenize(texts), params, False, args,
+                                    front.max_seq_tokens)
+            price = estimate_units(published, request.shape, policy)
             if price is None:
                 raise ValueError("no replica published a fitted cost model")
             prices.setdefault(kind, []).append(price)

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.plots import comparison
-from loadtest.run import (
+from loadtest.prices import slots_for
+from loadtest.runner import (
     REPO,
     RESULTS,
     RunSpec,
@@ -142,8 +143,6 @@ def run_report(options: argparse.Namespace) -> None:
 
 def _run_workload(workload: Workload, base_url: str, results: Path, out: Path,
                   quick: bool) -> dict[str, Any]:
-    from loadtest.prices import slots_for
-
     rows: list[dict[str, Any]] = []
     slots: dict[str, Any] = {}
     for baseline in BASELINES:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from serve_app.admission.policy import policy_class
 from serve_app.config import AppArgs, ConfigError, parse_args
 from serve_app.memory.budget import InsufficientMemoryError
 from serve_app.planning import (
@@ -86,29 +87,23 @@ def profile_command(options: argparse.Namespace) -> int:
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    what = ("the fake engine on its simulated device" if args.model.task == "fake"
-            else f"{args.model.name} ({args.model.resolved_path()})")
-    progress(f"loading {what} for application {name!r} of {options.config}")
     # torch + transformers: imported only once the arguments are known to be valid
-    from deployments.profiling import largest_request, measure_replica
+    from deployments.engines.registry import engine_class
+    from deployments.profiling import measure_replica
 
+    engine = engine_class(args)
+    progress(f"loading {engine.describe(args)} for application {name!r} of {options.config}")
     measured = measure_replica(args, on_progress=progress)  # an OOM leaves as InsufficientMemory
+    must_fit = policy_class(args.admission.policy).budget_must_hold_largest
     plan = plan_from_profile(
-        args, measured.profile, card_bytes=_card_bytes(args, measured),
-        min_budget_bytes=measured.max_request_bytes if args.admission.policy == "budget" else 0,
+        args, measured.profile, engine.kinds,
+        # the whole card, for the recommended GPU share (CUDA's, or the simulated card's)
+        card_bytes=getattr(measured.probe, "total_bytes", None),
+        min_budget_bytes=measured.max_request_bytes if must_fit else 0,
         source="this measurement")
     measured.profile.save(out)
-    largest = largest_request(args, measured.engine)
-    print(report(name, options.config, args, measured, plan, largest, out))
+    print(report(name, options.config, args, measured, plan, out))
     return EXIT_OK
-
-
-def _card_bytes(args: AppArgs, measured: MeasuredReplica) -> int | None:
-    """The whole card's bytes, for the recommended GPU share: the CUDA card's total, or the
-    simulated card's size; ``None`` on CPU."""
-    if args.model.task == "fake":
-        return args.fake.device_capacity_bytes
-    return getattr(measured.probe, "total_bytes", None)
 
 
 def profiling_args(args: AppArgs) -> AppArgs:
@@ -155,11 +150,11 @@ def read_application(config_path: Path, app_name: str | None) -> tuple[str, dict
 
 
 def report(name: str, config_path: Path, args: AppArgs, measured: MeasuredReplica,
-           plan: DeploymentPlan, largest: tuple[int, int, int], out: Path) -> str:
-    """The text printed to stdout after a measurement (``largest``: the shape of the largest
-    request the limits allow)."""
-    profile, mem = measured.profile, args.memory
-    p95 = " or ".join(_shape(s) for s in p95_request_shapes(args))
+           plan: DeploymentPlan, out: Path) -> str:
+    """The text printed to stdout after a measurement."""
+    profile, mem, largest = measured.profile, args.memory, measured.largest
+    p95 = " or ".join(_shape(s) for s in p95_request_shapes(args,
+                                                             measured.engine_class.kinds))
     lines = [
         f"vramgate profile of application {name!r} in {config_path}",
         f"device:   {profile.device}",
@@ -207,9 +202,7 @@ def _cost_model_lines(measured: MeasuredReplica) -> list[str]:
 
 def _recommendation_lines(args: AppArgs, plan: DeploymentPlan) -> list[str]:
     queue = args.admission.max_queue_len
-    running = (f"{plan.max_running_estimate} running (admission.semaphore_permits)"
-               if args.admission.policy == "semaphore" else
-               f"{plan.max_running_estimate} running (budget // P95 request)")
+    running = f"{plan.max_running_estimate} running ({plan.running_set_by})"
     if plan.min_num_gpus == 0:
         gpus = "0   # CPU replica"
     elif plan.min_num_gpus is None:

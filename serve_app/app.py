@@ -8,6 +8,7 @@ from typing import Any
 from ray.serve import Application
 
 from deployments.autoscaling import QUEUE_POLICY_CLASS_PATH
+from deployments.engines.registry import engine_class
 from deployments.idempotency import IdempotencyStore
 from deployments.ingress import Ingress
 from deployments.model_server import ModelServer
@@ -19,6 +20,8 @@ from serve_app.planning import plan_deployment
 logger = logging.getLogger(__name__)
 
 MODEL_CONSTRUCTOR_RETRIES = 3
+#: ``deployment.request_router`` -> the router class (``None``: Ray Serve's default).
+REQUEST_ROUTERS = {"budget": ROUTER_CLASS_PATH, "pow2": None}
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
@@ -28,14 +31,18 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     byte-budget gate), plus the ReplicaRegistry they publish their state to. Deployment options
     (``num_gpus``, ``max_ongoing_requests``) come from :func:`serve_app.planning.plan_deployment`.
 
+    The deployments get the validated args (parsed once, here) and the engine is resolved
+    here too (:func:`deployments.engines.registry.engine_class`), so a bad engine name or
+    engine-specific setting fails the deployment at once.
+
     Raises:
-        serve_app.config.ConfigError: unknown, misplaced or invalid keys (named in the message).
+        serve_app.config.ConfigError: unknown, misplaced or invalid keys (named in the
+            message), or an engine that cannot be resolved or refuses the args.
     """
     cfg = parse_args(args)
-    plan = plan_deployment(cfg)
+    plan = plan_deployment(cfg, engine_class(cfg))
     logger.info("model deployment: num_gpus=%s max_ongoing_requests=%d (%s)",
                 plan.num_gpus, plan.max_ongoing_requests, plan.how)
-    raw = cfg.model_dump(mode="json")
     dep = cfg.deployment
     logging_config = {"encoding": cfg.logging.encoding, "log_level": cfg.logging.log_level}
     registry = ReplicaRegistry.bind()
@@ -55,12 +62,12 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         graceful_shutdown_timeout_s=(cfg.admission.max_queue_wait_s
                                      + cfg.admission.inference_timeout_s + 5),
         logging_config=logging_config,
-    ).bind(raw, registry)
+    ).bind(cfg, registry)
     return Ingress.options(
         num_replicas=dep.ingress_replicas,
         max_ongoing_requests=dep.ingress_max_ongoing_requests,
         logging_config=logging_config,
-    ).bind(raw, model, registry, idempotency)
+    ).bind(cfg, model, registry, idempotency)
 
 
 def _scaling_options(cfg: AppArgs) -> dict[str, Any]:
@@ -71,9 +78,9 @@ def _scaling_options(cfg: AppArgs) -> dict[str, Any]:
     """
     dep = cfg.deployment
     options: dict[str, Any] = {}
-    if dep.request_router == "budget":
+    if (router := REQUEST_ROUTERS[dep.request_router]) is not None:
         options["request_router_config"] = {
-            "request_router_class": ROUTER_CLASS_PATH,
+            "request_router_class": router,
             "request_routing_stats_period_s": dep.routing_stats_period_s,
             "request_routing_stats_timeout_s": max(5.0, 2 * dep.routing_stats_period_s)}
     if not dep.autoscaling:

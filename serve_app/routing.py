@@ -29,17 +29,12 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-ESTIMATED_BYTES_KWARG = "estimated_bytes"
-"""Keyword argument of a model-replica handle call carrying the request's price in bytes
-(``handle.embed.remote(texts, estimated_bytes=n)``). Ray hands the call's kwargs to the router
-as ``PendingRequest.kwargs`` and then to the replica method, which must accept it."""
-
-STATS_BYTES_KEYS = ("budget_bytes", "reserved_bytes", "free_bytes", "queued_bytes")
-"""Byte figures a replica's ``record_routing_stats()`` reports (ints >= 0)."""
-QUEUE_DEPTH_KEY = "queue_depth"
-"""Requests waiting in the replica's admission FIFO (int >= 0)."""
-MEASURED_AT_KEY = "measured_at_unix_s"
-"""When the replica took its figures: ``time.time()`` on the replica (float seconds)."""
+from serve_app.replica_state import (
+    ROUTING_BYTES_KEYS,
+    ROUTING_MEASURED_AT_KEY,
+    ROUTING_QUEUE_DEPTH_KEY,
+)
+from serve_app.request import InferenceRequest
 
 
 def _count(value: Any) -> int | None:
@@ -105,16 +100,16 @@ class ReplicaStats:
             unix_now_s: the router's wall-clock now (default ``time.time()``).
         """
         stats = routing_stats or {}
-        figures = {key: _count(stats.get(key)) for key in STATS_BYTES_KEYS}
+        figures = {key: _count(stats.get(key)) for key in ROUTING_BYTES_KEYS}
         measured_at_s = None
-        measured_unix = stats.get(MEASURED_AT_KEY)
+        measured_unix = stats.get(ROUTING_MEASURED_AT_KEY)
         if (not isinstance(measured_unix, bool) and isinstance(measured_unix, int | float)
                 and math.isfinite(measured_unix)):
             now_s = time.monotonic() if now_s is None else now_s
             unix_now_s = time.time() if unix_now_s is None else unix_now_s
             measured_at_s = now_s - max(0.0, unix_now_s - measured_unix)
         return cls(replica_id=replica_id, node_id=node_id,
-                   queue_depth=_count(stats.get(QUEUE_DEPTH_KEY)),
+                   queue_depth=_count(stats.get(ROUTING_QUEUE_DEPTH_KEY)),
                    measured_at_s=measured_at_s, **figures)
 
 
@@ -295,37 +290,52 @@ def rank_replicas(stats: Sequence[ReplicaStats], request_bytes: int | None,
         raise ValueError(f"request_bytes must be >= 0, got {request_bytes}")
     if len({s.replica_id for s in stats}) != len(stats):
         raise ValueError("duplicate replica ids in stats")
-
-    def remote(s: ReplicaStats) -> tuple[int, float, str]:  # then the tie-break, then id
-        return (0 if local_node_id is not None and s.node_id == local_node_id else 1,
-                (tie_break or {}).get(s.replica_id, 0.0), s.replica_id)
-
-    def ahead(s: ReplicaStats) -> int:
-        return (s.queued_bytes or 0) + reservations.get(s.replica_id, 0)
-
+    order = _Order(reservations, local_node_id, tie_break or {})
     known = [s for s in stats if s.known]
     unknown = sorted((s for s in stats if not s.known),
-                     key=lambda s: (reservations.get(s.replica_id, 0), remote(s)))
+                     key=lambda s: (reservations.get(s.replica_id, 0), order.remote(s)))
     if request_bytes is None:
-        rest = sorted(known, key=lambda s: (ahead(s), remote(s)))
+        rest = sorted(known, key=lambda s: (order.ahead(s), order.remote(s)))
         return [[], [s.replica_id for s in rest + unknown]]
-
-    def fits(s: ReplicaStats) -> bool:
-        headroom = headroom_bytes(s, reservations.get(s.replica_id, 0))
-        return headroom is not None and headroom >= request_bytes
-
-    fitting = sorted((s for s in known if fits(s)),
-                     key=lambda s: (ahead(s), remote(s)))
-    rest = sorted((s for s in known if not fits(s)),
-                  key=lambda s: (Fraction(ahead(s), s.budget_bytes or 1),
-                                 -(headroom_bytes(s, reservations.get(s.replica_id, 0)) or 0),
-                                 remote(s)))
+    fitting = sorted((s for s in known if order.fits(s, request_bytes)),
+                     key=lambda s: (order.ahead(s), order.remote(s)))
+    rest = sorted((s for s in known if not order.fits(s, request_bytes)),
+                  key=lambda s: (Fraction(order.ahead(s), s.budget_bytes or 1),
+                                 -(order.headroom(s) or 0), order.remote(s)))
     return [[s.replica_id for s in fitting], [s.replica_id for s in rest + unknown]]
 
 
-def estimated_bytes_from_kwargs(kwargs: Mapping[str, Any] | None) -> int | None:
-    """The request's price from a handle call's kwargs (:data:`ESTIMATED_BYTES_KWARG`);
-    ``None`` when absent or not a non-negative finite number."""
-    if not kwargs:
-        return None
-    return _count(kwargs.get(ESTIMATED_BYTES_KWARG))
+@dataclass(frozen=True)
+class _Order:
+    """The sort keys of :func:`rank_replicas` for one ranking."""
+
+    reservations: Mapping[str, int]
+    local_node_id: str | None
+    tie_break: Mapping[str, float]
+
+    def remote(self, s: ReplicaStats) -> tuple[int, float, str]:
+        """Local node first, then the tie-break, then the replica id."""
+        local = self.local_node_id is not None and s.node_id == self.local_node_id
+        return (0 if local else 1, self.tie_break.get(s.replica_id, 0.0), s.replica_id)
+
+    def ahead(self, s: ReplicaStats) -> int:
+        """Bytes a newcomer waits behind: queued there and reserved by this router."""
+        return (s.queued_bytes or 0) + self.reservations.get(s.replica_id, 0)
+
+    def headroom(self, s: ReplicaStats) -> int | None:
+        return headroom_bytes(s, self.reservations.get(s.replica_id, 0))
+
+    def fits(self, s: ReplicaStats, request_bytes: int) -> bool:
+        headroom = self.headroom(s)
+        return headroom is not None and headroom >= request_bytes
+
+
+def estimated_bytes_of(args: Sequence[Any] | None) -> int | None:
+    """The request's price from a handle call's positional arguments: the
+    :attr:`~serve_app.request.InferenceRequest.estimated_bytes` of the first
+    :class:`~serve_app.request.InferenceRequest` among them; ``None`` when there is none or
+    it carries no non-negative finite price."""
+    for arg in args or ():
+        if isinstance(arg, InferenceRequest):
+            return _count(arg.estimated_bytes)
+    return None

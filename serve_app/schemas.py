@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-import numpy as np
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -73,18 +72,17 @@ class Admitted:
 
 
 @dataclass(frozen=True)
-class EmbeddingResult:
-    """What a model replica returns for one embeddings request.
+class InferenceResult:
+    """What a model replica returns for one request.
 
     Attributes:
-        embeddings: float32, shape ``(n_inputs, dimensions)``, rows of unit L2 norm.
-        prompt_tokens: tokens over all inputs, special tokens included.
+        output: the engine's output for its kind (:class:`serve_app.request.EmbeddingOutput`,
+            :class:`serve_app.request.GenerationOutput`).
         admitted: queue wait and position.
         replica_id: the replica that served it.
     """
 
-    embeddings: np.ndarray
-    prompt_tokens: int
+    output: Any
     admitted: Admitted
     replica_id: str
 
@@ -127,24 +125,6 @@ class CompletionRequest(BaseModel):
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-
-
-@dataclass(frozen=True)
-class CompletionResult:
-    """A finished completion from a model replica.
-
-    Attributes:
-        text: the completion (stop strings excluded).
-        finish_reason: ``stop`` or ``length``.
-        prompt_tokens, completion_tokens: token counts.
-        admitted: queue wait and position.
-    """
-
-    text: str
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    admitted: Admitted
 
 
 # --- Response bodies, as declared in the OpenAPI schema (the ingress renders them itself) -----

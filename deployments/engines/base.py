@@ -1,100 +1,276 @@
-"""What a model replica needs from an engine. Engines are called from the replica's single
-inference thread only (never concurrently), except ``count_tokens``, which must be
-thread-safe (it runs on a helper thread before admission)."""
+"""The engine protocol: what the system needs from a model, as one base class to subclass.
+
+An engine is chosen by ``model.engine`` (or ``model.task``) through
+:mod:`deployments.engines.registry`. Its **class** answers, without loading any weights, what
+the ingress and the planner need: the request kinds it serves (:mod:`serve_app.kinds`), its
+front end (tokenizer and context length, :class:`FrontEnd`), how its deployments are planned
+(device kind, capacity, analytic cost model) and what its saved profiles are measured for. An
+**instance**, made by :meth:`Engine.open` in a model replica, holds the model; the replica calls
+it from one inference thread only (never concurrently):
+
+- ``run_<kind>(requests)`` for each kind in :attr:`Engine.kinds`: one forward pass over
+  requests of that kind that share a batch key (``[one]`` when it runs alone), returning one
+  output per request (:class:`serve_app.request.EmbeddingOutput`, ``GenerationOutput``);
+- ``stream_<kind>(request, on_text)`` for kinds that stream (``generate``);
+- :meth:`Engine.profile_run` (one inference of exactly a shape: the profiler's unit of
+  measurement), over :meth:`Engine.profile_ladder`, fitted with :attr:`Engine.fit_features`
+  and cross-checked against :meth:`Engine.analytic_model`;
+- :meth:`Engine.canary` (after an OOM: is the device's output still finite?).
+
+The mixins :class:`EmbeddingRunner` and :class:`GenerationRunner` turn a kind's requests into
+batched calls on token ids (``embed_ids``, ``generate_ids``, ``generate_batch_ids``). No torch
+import here: the fake engine and the planner use this module on machines without torch.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from serve_app.memory.cost_model import TransformerShape
+from serve_app.config import AppArgs
+from serve_app.kinds import KINDS
+from serve_app.memory.cost_model import DECODER_FEATURES, ENCODER_FEATURES, CostModel, Shape
+from serve_app.memory.probes import DeviceProbe
+from serve_app.memory.profiler import profile_ladder
+from serve_app.planning import planned_host_capacity
+from serve_app.request import (
+    EmbeddingOutput,
+    GenerationOutput,
+    GenerationParams,
+    InferenceRequest,
+)
 
 
-@dataclass(frozen=True)
-class GenerationParams:
-    """Sampling parameters of one completion (OpenAI names; validated by the ingress).
+class FrontEnd(Protocol):
+    """What the ingress needs of a model to validate and price requests: its tokenizer and
+    its context length. Loaded without the weights; ``tokenize`` must be thread-safe."""
 
-    Attributes:
-        max_tokens: new tokens to generate at most (>= 1).
-        temperature: 0 = greedy (deterministic); > 0 samples.
-        top_p: nucleus sampling mass in (0, 1].
-        seed: makes sampling reproducible when set.
-        stop: strings that end the completion (not included in the text).
-    """
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class GenerationOutput:
-    """A finished completion: its text, why it ended (``stop`` or ``length``), token counts."""
-
-    text: str
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-
-
-class Engine(Protocol):
-    """A loaded model.
-
-    Attributes:
-        task: ``embed`` or ``generate`` (the routes it serves).
-        shape: the model's dimensions, for the analytic cost estimate.
-        max_seq_tokens: longest input (prompt) the model accepts, tokens.
-    """
-
-    task: str
-    shape: TransformerShape
     max_seq_tokens: int
 
-    def count_tokens(self, texts: list[str]) -> list[int]:
-        """Tokens per text as the model will see them (special tokens included)."""
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids per text, special tokens included, as the model will see them."""
+
+
+@dataclass
+class OpenedEngine:
+    """A loaded engine and its device: ``probe`` measures it, ``held_bytes`` is what loading
+    the model took."""
+
+    engine: Engine
+    probe: DeviceProbe
+    held_bytes: int
+
+
+class Engine:
+    """Base class of every engine (see module docstring). Subclass it, set :attr:`kinds`,
+    implement :meth:`front_end`, :meth:`load` (or :meth:`open`) and each kind's runner; the
+    defaults below fit a model on the replica's own CPU or GPU.
+
+    Attributes:
+        kinds: the request kinds served, e.g. ``("embed",)``.
+        max_seq_tokens: (instances) the longest input the model accepts, tokens.
+    """
+
+    kinds: ClassVar[tuple[str, ...]] = ()
+    max_seq_tokens: int
+
+    # --- the class: read where requests are validated and deployments planned ------------
+
+    @classmethod
+    def check_args(cls, args: AppArgs) -> None:
+        """Checks of ``args`` this engine needs (beyond the config's own).
+
+        Raises:
+            serve_app.config.ConfigError: naming the key to change.
+        """
+
+    @classmethod
+    def front_end(cls, args: AppArgs) -> FrontEnd:
+        """The tokenizer and context length, loaded without the weights (the ingress)."""
+        raise NotImplementedError(f"{cls.__name__} has no front_end")
+
+    @classmethod
+    def describe(cls, args: AppArgs) -> str:
+        """What is loaded, in words (the ``profile`` command's progress line)."""
+        return f"{args.model.name} ({cls.__name__})"
+
+    @classmethod
+    def profile_identity(cls, args: AppArgs) -> str:
+        """What a profile of this engine records as its ``model_path``."""
+        return args.model.path or cls.__qualname__
+
+    @classmethod
+    def device_kind(cls, args: AppArgs) -> str:
+        """``cpu`` or ``cuda``: the device a replica of ``args`` gets (Ray hides GPUs from
+        replicas without ``num_gpus``)."""
+        cpu = args.deployment.num_gpus == 0 or args.model.device == "cpu"
+        return "cpu" if cpu else "cuda"
+
+    @classmethod
+    def planned_capacity(cls, args: AppArgs) -> tuple[int | None, str]:
+        """A replica's capacity as known where the app is built: a CPU replica's share of
+        the RAM here; a GPU's is unknown (``None``) until the replica measures it."""
+        if cls.device_kind(args) == "cpu":
+            return planned_host_capacity(args)
+        return None, ""
+
+    @classmethod
+    def analytic_costs(cls, args: AppArgs) -> tuple[CostModel, int]:
+        """The analytic cost model and the weights' bytes, for planning.
+
+        Raises:
+            ValueError: none is known (planning then falls back to a fixed estimate).
+        """
+        raise ValueError(f"{cls.__name__} has no analytic cost model")
+
+    @classmethod
+    def open(cls, args: AppArgs) -> OpenedEngine:
+        """Load the model on the replica's device and measure what it holds: the CPU's
+        host memory or the replica's share of its GPU (:mod:`deployments.engines.devices`)."""
+        from deployments.engines.devices import make_probe, resolve_device
+
+        device = resolve_device(args.model.device)
+        probe = make_probe(device, args)
+        used_before = probe.used_bytes()
+        engine = cls.load(args, device)
+        return OpenedEngine(engine, probe, max(0, probe.used_bytes() - used_before))
+
+    @classmethod
+    def load(cls, args: AppArgs, device: str) -> Engine:
+        """The loaded engine on ``device`` (``cpu`` or ``cuda``)."""
+        raise NotImplementedError(f"{cls.__name__} has no load")
+
+    # --- the instance: called on the replica's inference thread ---------------------------
+
+    def run_batch(self, requests: Sequence[InferenceRequest]) -> list[Any]:
+        """One forward pass over ``requests`` (one kind, one batch key): the kind's runner
+        ``run_<kind>``. Returns one output per request, in order."""
+        return getattr(self, f"run_{requests[0].kind}")(requests)
+
+    def run_stream(self, request: InferenceRequest,
+                   on_text: Callable[[str], bool]) -> Any:
+        """Run one request whose client reads a stream: ``stream_<kind>``. ``on_text`` gets
+        each new piece of text and returns ``False`` to stop (the client left)."""
+        return getattr(self, f"stream_{request.kind}")(request, on_text)
+
+    def analytic_model(self) -> CostModel | None:
+        """The loaded model's analytic cost model, shown beside every profiled point
+        (``None``: none; the profile then shows 0)."""
+        return None
+
+    @property
+    def is_decoder(self) -> bool:
+        """Whether the model keeps a KV cache (it serves a kind that generates)."""
+        return any(KINDS[kind].generates for kind in self.kinds)
+
+    @property
+    def fit_features(self) -> tuple[str, ...]:
+        """The cost model's features (:data:`serve_app.memory.cost_model.FEATURES`)."""
+        return DECODER_FEATURES if self.is_decoder else ENCODER_FEATURES
+
+    def profile_ladder(self, largest: Shape) -> tuple[list[Shape], list[Shape]]:
+        """Shapes to measure up to ``largest``: ``(fitted, held out)``
+        (:func:`serve_app.memory.profiler.profile_ladder`)."""
+        return profile_ladder(*largest)
 
     def profile_run(self, batch: int, prompt_tokens: int, new_tokens: int = 0) -> None:
-        """One real inference of exactly this shape (the profiler's unit of measurement)."""
+        """One real inference of exactly this shape: by default ``batch`` requests of
+        ``prompt_tokens`` ids (1s), each generating ``new_tokens`` (greedy), through the
+        runner of the engine's first kind that generates (``new_tokens > 0``) or not."""
+        kind = next((k for k in self.kinds if KINDS[k].generates == bool(new_tokens)),
+                    self.kinds[0])
+        params = GenerationParams(max_tokens=new_tokens, temperature=0.0) if new_tokens \
+            else None
+        ids = ((1,) * prompt_tokens,)
+        request = InferenceRequest(kind, ids, Shape(1, prompt_tokens, new_tokens), params)
+        self.run_batch([request] * batch)
 
     def canary(self) -> bool:
-        """One small inference; ``True`` when its output holds no NaN/Inf (run after an OOM,
-        on the inference thread)."""
+        """One small inference after an OOM; ``True`` when its output holds no NaN/Inf."""
+        request = InferenceRequest(self.kinds[0], ((1, 2, 3),), Shape(1, 3, 0),
+                                   GenerationParams(max_tokens=1, temperature=0.0))
+        return all(output.finite() for output in self.run_batch([request]))
+
+    def close(self) -> None:
+        """Free what the engine holds (idempotent)."""
 
 
-class EmbeddingEngineProtocol(Engine, Protocol):
-    dimensions: int
+class EmbeddingRunner:
+    """``run_embed`` from ``embed_ids``: every request's inputs in one padded pass, each
+    request's rows handed back to it. Also ``embed(texts)`` for in-process use."""
 
-    def embed(self, texts: list[str]) -> np.ndarray:
-        """float32 ``(len(texts), dimensions)``, rows of unit L2 norm."""
+    front: FrontEnd
+
+    def embed_ids(self, input_ids: Sequence[Sequence[int]]) -> np.ndarray:
+        """float32 ``(len(input_ids), dimensions)`` for inputs given as token ids."""
+        raise NotImplementedError
+
+    def run_embed(self, requests: Sequence[InferenceRequest]) -> list[EmbeddingOutput]:
+        rows = self.embed_ids([ids for request in requests for ids in request.input_ids])
+        outputs, start = [], 0
+        for request in requests:
+            end = start + len(request.input_ids)
+            outputs.append(EmbeddingOutput(rows[start:end], request.prompt_tokens))
+            start = end
+        return outputs
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """Tokenize ``texts`` with the front end and embed them in one pass."""
+        return self.embed_ids(self.front.tokenize(texts))
 
 
-class GenerationEngineProtocol(Engine, Protocol):
-    def generate(self, prompt: str, params: GenerationParams,
-                 on_text: Callable[[str], bool] | None = None) -> GenerationOutput:
-        """Complete ``prompt``. ``on_text`` receives each new piece of text as it is decoded
-        and returns ``False`` to stop early (client gone); the output then has
+class GenerationRunner:
+    """``run_generate`` and ``stream_generate`` from ``generate_ids`` (one prompt) and
+    ``generate_batch_ids`` (several, sharing ``temperature`` and ``top_p``, without stop
+    strings or seed; see :func:`batch_params`). Also text-level ``generate`` and
+    ``generate_batch`` for in-process use."""
+
+    front: FrontEnd
+
+    def generate_ids(self, ids: Sequence[int], params: GenerationParams,
+                     on_text: Callable[[str], bool] | None = None) -> GenerationOutput:
+        """Complete the prompt ``ids``. ``on_text`` receives each new piece of text as it is
+        decoded and returns ``False`` to stop early (client gone); the output then has
         ``finish_reason`` ``"cancelled"``."""
+        raise NotImplementedError
 
-    def generate_batch(self, prompts: list[str],
-                       params: list[GenerationParams]) -> list[GenerationOutput]:
-        """Complete ``prompts`` (>= 1) together, in one padded batch, ``params[i]`` for
-        ``prompts[i]``: they must share ``temperature`` and ``top_p`` and have no ``stop``
-        strings and no ``seed`` (those run alone: a stop string ends one row early, a seed
-        owns the random generator); ``max_tokens`` may differ (the batch generates to the
-        largest and each row is cut at its own; see :func:`batch_params`). Returns one output
-        per prompt, in order, each as :meth:`generate` would give it.
+    def generate_batch_ids(self, ids: Sequence[Sequence[int]],
+                           params: Sequence[GenerationParams]) -> list[GenerationOutput]:
+        """Complete several prompts in one padded batch, each as :meth:`generate_ids` would
+        alone; ``max_tokens`` may differ (the batch generates to the largest and each row is
+        cut at its own).
 
         Raises:
             ValueError: as :func:`batch_params`.
         """
+        raise NotImplementedError
+
+    def run_generate(self, requests: Sequence[InferenceRequest]) -> list[GenerationOutput]:
+        if len(requests) == 1:  # exactly the unbatched path
+            [request] = requests
+            return [self.generate_ids(request.input_ids[0], request.params)]
+        return self.generate_batch_ids([r.input_ids[0] for r in requests],
+                                       [r.params for r in requests])
+
+    def stream_generate(self, request: InferenceRequest,
+                        on_text: Callable[[str], bool]) -> GenerationOutput:
+        return self.generate_ids(request.input_ids[0], request.params, on_text)
+
+    def generate(self, prompt: str, params: GenerationParams,
+                 on_text: Callable[[str], bool] | None = None) -> GenerationOutput:
+        """Tokenize ``prompt`` with the front end and complete it."""
+        return self.generate_ids(self.front.tokenize([prompt])[0], params, on_text)
+
+    def generate_batch(self, prompts: Sequence[str],
+                       params: Sequence[GenerationParams]) -> list[GenerationOutput]:
+        """Tokenize ``prompts`` with the front end and complete them in one batch."""
+        return self.generate_batch_ids(self.front.tokenize(prompts), params)
 
 
-def batch_params(params: list[GenerationParams]) -> GenerationParams:
+def batch_params(params: Sequence[GenerationParams]) -> GenerationParams:
     """The parameters one batched ``generate`` runs with for rows of ``params``: their
     shared ``temperature`` and ``top_p``, and the largest ``max_tokens`` (each row is cut at
     its own afterwards: greedy decoding of a row does not depend on the other rows, so its

@@ -16,33 +16,26 @@ injection can be added. No torch import (the device imports it only to raise an 
 
 from __future__ import annotations
 
-import hashlib
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from deployments.engines.base import GenerationOutput, GenerationParams, batch_params
-from serve_app.memory.cost_model import TransformerShape
-from serve_app.memory.simulated import Allocation, SimulatedDevice
-
-SPECIAL_TOKENS = 2  # like [CLS] ... [SEP] or <s> ... </s>
-# The fake vocabulary: generated text is these words, one token each, space-separated.
-VOCAB = tuple(
-    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
-    "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu amber azure "
-    "bronze cedar coral ember fern flint frost garnet hazel indigo ivory jade jasper lemon "
-    "maple marble mint moss ochre olive onyx pearl pine quartz rust sable sage slate steel "
-    "teal topaz umber violet willow".split())
-
-
-def _digest(*parts: object) -> int:
-    """A 64-bit hash stable across processes (Python's ``hash`` of ``str`` is salted)."""
-    text = "\x1f".join(str(p) for p in parts)
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+from deployments.engines.base import (
+    EmbeddingRunner,
+    Engine,
+    GenerationRunner,
+    OpenedEngine,
+    batch_params,
+)
+from deployments.engines.words import SPECIAL_TOKENS, VOCAB, WordFrontEnd, decode_words, digest
+from serve_app.config import AppArgs, FakeConfig, config_error
+from serve_app.memory.cost_model import AnalyticCostModel, FittedCostModel, TransformerShape
+from serve_app.memory.simulated import Allocation, SimulatedDevice, SimulatedDeviceProbe
+from serve_app.request import GenerationOutput, GenerationParams
 
 
 def default_shape(dimensions: int, max_seq_tokens: int) -> TransformerShape:
@@ -53,11 +46,19 @@ def default_shape(dimensions: int, max_seq_tokens: int) -> TransformerShape:
                             dtype_bytes=4, is_decoder=True)
 
 
+def exact_cost_model(bytes_per_token: int, bytes_per_request: int) -> FittedCostModel:
+    """What a request of the fake engine holds, as a cost model: ``bytes_per_request +
+    bytes_per_token x batch x (prompt + new)`` (the ground truth a fitted model should find,
+    and the planner's estimate)."""
+    return FittedCostModel(("const", "batch_tokens"),
+                           (float(bytes_per_request), float(bytes_per_token)))
+
+
 @dataclass
-class FakeEngine:
-    """Embeds and generates without a model, holding simulated device memory. Satisfies both
-    ``EmbeddingEngineProtocol`` and ``GenerationEngineProtocol`` of
-    :mod:`deployments.engines.base`. Call from one thread, except :meth:`count_tokens`.
+class FakeEngine(EmbeddingRunner, GenerationRunner, Engine):
+    """Embeds and generates without a model, holding simulated device memory; serves both
+    ``embed`` and ``generate`` (:mod:`deployments.engines.base`). Call from one thread.
+    Its front end is :class:`~deployments.engines.words.WordFrontEnd`.
 
     Args:
         device: the simulated device the memory is taken from.
@@ -75,7 +76,8 @@ class FakeEngine:
             above. Default: :func:`default_shape`.
         seed: seeds the sampler used when a generation has ``temperature > 0`` and no seed.
         sleep: called with the seconds a run takes (inject a no-op in tests).
-        oom_probability: injected fault: each run raises the device's OOM with this
+        oom_probability: injected fault: each run (not :meth:`profile_run`: the profile
+            measures the model, not the faults) raises the device's OOM with this
             probability, as if fragmentation or another process had taken its memory.
         cuda_error_probability: injected fault: each run raises a non-OOM CUDA error
             (``RuntimeError("CUDA error: device-side assert triggered")``).
@@ -107,7 +109,7 @@ class FakeEngine:
     fault_seed: int = 0
     latency_per_pass_s: float = 0.0
 
-    task = "fake"
+    kinds = ("embed", "generate")
 
     def __post_init__(self) -> None:
         self._faults = random.Random(self.fault_seed)
@@ -117,65 +119,140 @@ class FakeEngine:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.shape is None:
             self.shape = default_shape(self.dimensions, self.max_seq_tokens)
+        self.front = WordFrontEnd(self.max_seq_tokens)
+        self.costs = exact_cost_model(self.bytes_per_token, self.bytes_per_request)
         self._rng = random.Random(self.seed)
         self._poisoned = False  # set by an OOM under nan_after_oom
         self._weights: Allocation = self.device.allocate(self.weights_bytes)
+
+    # --- the class: from the config's fake.* section ------------------------------------
+
+    @classmethod
+    def check_args(cls, args: AppArgs) -> None:
+        """``memory.capacity_bytes`` / ``budget_bytes`` must fit the replica's share of the
+        simulated card.
+
+        Raises:
+            ConfigError: naming the knob.
+        """
+        share = args.deployment.num_gpus or 1.0
+        card_share = int(args.fake.device_capacity_bytes * share)
+        for knob in ("capacity_bytes", "budget_bytes"):
+            value = getattr(args.memory, knob)
+            if value is not None and value > card_share:
+                raise config_error(
+                    f"memory.{knob}", f"{value} does not fit this replica's share of the "
+                    f"simulated card: {share:g} x fake.device_capacity_bytes = {card_share}. "
+                    "Lower it or raise deployment.num_gpus")
+
+    @classmethod
+    def front_end(cls, args: AppArgs) -> WordFrontEnd:
+        return WordFrontEnd(args.fake.max_seq_tokens)
+
+    @classmethod
+    def describe(cls, args: AppArgs) -> str:
+        return "the fake engine on its simulated device"
+
+    @classmethod
+    def profile_identity(cls, args: AppArgs) -> str:
+        return "fake"
+
+    @classmethod
+    def device_kind(cls, args: AppArgs) -> str:
+        return "simulated"
+
+    @classmethod
+    def planned_capacity(cls, args: AppArgs) -> tuple[int, str]:
+        share = args.deployment.num_gpus or 1.0
+        return (int(args.fake.device_capacity_bytes * share),
+                "fake.device_capacity_bytes x num_gpus")
+
+    @classmethod
+    def analytic_costs(cls, args: AppArgs) -> tuple[FittedCostModel, int]:
+        """The configured costs, which are exact."""
+        fake = args.fake
+        return exact_cost_model(fake.bytes_per_token, fake.bytes_per_request), \
+            fake.weights_bytes
+
+    @classmethod
+    def open(cls, args: AppArgs) -> OpenedEngine:
+        """The engine on a simulated card of ``fake.device_capacity_bytes``, of which the
+        replica holds its ``num_gpus`` share: the simulated device is per process, so it is
+        built at the share's size and overruns exactly where the replica's share ends."""
+        share, fake = args.deployment.num_gpus or 1.0, args.fake
+        device = SimulatedDevice(int(fake.device_capacity_bytes * share),
+                                 name=f"{share:g} of a simulated {fake.device_capacity_bytes} "
+                                      "byte card")
+        engine = cls.from_config(device, fake)
+        return OpenedEngine(engine, SimulatedDeviceProbe(
+            device, total_bytes=fake.device_capacity_bytes), device.allocated_bytes)
+
+    @classmethod
+    def from_config(cls, device: SimulatedDevice, fake: FakeConfig) -> FakeEngine:
+        """The engine of the ``fake.*`` knobs on ``device``."""
+        return cls(device, fake.weights_bytes, fake.bytes_per_token, fake.bytes_per_request,
+                   fake.latency_per_token_s, fake.dimensions, fake.max_seq_tokens,
+                   oom_probability=fake.oom_probability,
+                   cuda_error_probability=fake.cuda_error_probability,
+                   hang_probability=fake.hang_probability, hang_s=fake.hang_s,
+                   nan_after_oom=fake.nan_after_oom, fault_seed=fake.fault_seed,
+                   latency_per_pass_s=fake.latency_per_pass_s)
 
     # --- cost ----------------------------------------------------------------------------
 
     def request_bytes(self, batch: int, prompt_tokens: int, new_tokens: int = 0) -> int:
         """Exact device bytes a request of this shape holds while it runs."""
-        return batch * (prompt_tokens + new_tokens) * self.bytes_per_token \
-            + self.bytes_per_request
+        return self.costs.request_bytes(batch, prompt_tokens, new_tokens)
 
-    def count_tokens(self, texts: list[str]) -> list[int]:
-        """Whitespace-separated words + 2 special tokens per text. Thread-safe (pure)."""
-        return [len(text.split()) + SPECIAL_TOKENS for text in texts]
+    def analytic_model(self) -> AnalyticCostModel:
+        return AnalyticCostModel(self.shape)
 
     def profile_run(self, batch: int, prompt_tokens: int, new_tokens: int = 0) -> None:
-        """Hold exactly what a request of this shape holds, for as long as it would run."""
-        with self._hold(self.request_bytes(batch, prompt_tokens, new_tokens)):
+        """Hold exactly what a request of this shape holds, for as long as it would run
+        (outside the injected faults: the profile measures the model, not the faults)."""
+        with self._hold(self.request_bytes(batch, prompt_tokens, new_tokens), faults=False):
             self.sleep(batch * (prompt_tokens + new_tokens) * self.latency_per_token_s
                        + (1 + new_tokens) * self.latency_per_pass_s)
 
     # --- embeddings ----------------------------------------------------------------------
 
-    def embed(self, texts: list[str]) -> np.ndarray:
-        """One padded batch: holds ``request_bytes(len(texts), longest)`` while it runs.
+    def embed_ids(self, input_ids: Sequence[Sequence[int]]) -> np.ndarray:
+        """One padded batch: holds ``request_bytes(len(input_ids), longest)`` while it runs
+        (inputs longer than ``max_seq_tokens`` are truncated to it).
 
         Returns:
-            float32 ``(len(texts), dimensions)``, unit L2 rows; the same text always gets the
-            same vector (seeded by a hash of the text).
+            float32 ``(len(input_ids), dimensions)``, unit L2 rows; the same ids always get
+            the same vector (seeded by a hash of them).
 
         Raises:
             torch.OutOfMemoryError: the batch does not fit on the device now.
         """
-        if not texts:
+        if not input_ids:
             return np.zeros((0, self.dimensions), dtype=np.float32)
-        longest = min(max(self.count_tokens(texts)), self.max_seq_tokens)
-        with self._hold(self.request_bytes(len(texts), longest)):
-            self.sleep(len(texts) * longest * self.latency_per_token_s
+        longest = min(max(len(ids) for ids in input_ids), self.max_seq_tokens)
+        with self._hold(self.request_bytes(len(input_ids), longest)):
+            self.sleep(len(input_ids) * longest * self.latency_per_token_s
                        + self.latency_per_pass_s)
-            return self._vectors(texts)
+            return self._vectors(input_ids)
 
     def canary(self) -> bool:
         """One short embedding, outside the injected faults (it checks the device's state; it
         is not traffic); ``True`` when its output is finite (see ``nan_after_oom``)."""
         with self.device.allocate(self.request_bytes(1, SPECIAL_TOKENS + 1)):
-            return bool(np.isfinite(self._vectors(["canary"])).all())
+            return bool(np.isfinite(self._vectors([(0,)])).all())
 
-    def _vectors(self, texts: list[str]) -> np.ndarray:
-        vectors = np.stack([self._vector(text) for text in texts])
+    def _vectors(self, input_ids: Sequence[Sequence[int]]) -> np.ndarray:
+        vectors = np.stack([self._vector(ids) for ids in input_ids])
         return np.full_like(vectors, np.nan) if self._poisoned else vectors
 
-    def _vector(self, text: str) -> np.ndarray:
-        raw = np.random.default_rng(_digest("embed", text)).standard_normal(self.dimensions)
+    def _vector(self, ids: Sequence[int]) -> np.ndarray:
+        raw = np.random.default_rng(digest("embed", *ids)).standard_normal(self.dimensions)
         return (raw / np.linalg.norm(raw)).astype(np.float32)
 
     # --- generation ----------------------------------------------------------------------
 
-    def generate(self, prompt: str, params: GenerationParams,
-                 on_text: Callable[[str], bool] | None = None) -> GenerationOutput:
+    def generate_ids(self, ids: Sequence[int], params: GenerationParams,
+                     on_text: Callable[[str], bool] | None = None) -> GenerationOutput:
         """Up to ``params.max_tokens`` fake words, one token each, passed to ``on_text`` as
         they are made. Holds ``request_bytes(1, prompt_tokens, max_tokens)`` throughout (a
         pre-allocated KV cache); sleeps the prompt's latency, then one token's per word.
@@ -191,23 +268,23 @@ class FakeEngine:
             ValueError: the prompt is longer than ``max_seq_tokens``.
             torch.OutOfMemoryError: the request does not fit on the device now.
         """
-        prompt_tokens = self.count_tokens([prompt])[0]
+        prompt_tokens = len(ids)
         if prompt_tokens > self.max_seq_tokens:
             raise ValueError(f"prompt of {prompt_tokens} tokens exceeds max_seq_tokens "
                              f"{self.max_seq_tokens}")
         with self._hold(self.request_bytes(1, prompt_tokens, params.max_tokens)):
             self.sleep(prompt_tokens * self.latency_per_token_s + self.latency_per_pass_s)
-            text, reason, made = _decode(
-                self._words(prompt, params), params, on_text,
+            text, reason, made = decode_words(
+                self._words(ids, params), params, on_text,
                 lambda: self.sleep(self.latency_per_token_s + self.latency_per_pass_s))
         return GenerationOutput(text, reason, prompt_tokens, made)
 
-    def generate_batch(self, prompts: list[str],
-                       params: list[GenerationParams]) -> list[GenerationOutput]:
-        """Complete ``prompts`` together, ``params[i]`` for ``prompts[i]``: holds
-        ``request_bytes(len(prompts), longest prompt, largest max_tokens)`` (one padded KV
-        cache) and sleeps what that many tokens and passes take; each output is what
-        :meth:`generate` gives its prompt alone with its own ``params`` (its own prompt
+    def generate_batch_ids(self, ids: Sequence[Sequence[int]],
+                           params: Sequence[GenerationParams]) -> list[GenerationOutput]:
+        """Complete prompts together, ``params[i]`` for ``ids[i]``: holds
+        ``request_bytes(len(ids), longest prompt, largest max_tokens)`` (one padded KV cache)
+        and sleeps what that many tokens and passes take; each output is what
+        :meth:`generate_ids` gives its prompt alone with its own ``params`` (its own prompt
         tokens, the same words, cut at its own ``max_tokens``).
 
         Raises:
@@ -216,25 +293,24 @@ class FakeEngine:
             torch.OutOfMemoryError: the batch does not fit on the device now.
         """
         shared = batch_params(params)
-        counts = self.count_tokens(prompts)
-        longest = max(counts)
+        longest = max(len(prompt) for prompt in ids)
         if longest + shared.max_tokens > self.max_seq_tokens:  # as a model's positions
             raise ValueError(f"a batch of {longest} prompt tokens (left-padded) + "
                              f"{shared.max_tokens} new exceeds max_seq_tokens "
                              f"{self.max_seq_tokens}")
-        with self._hold(self.request_bytes(len(prompts), longest, shared.max_tokens)):
-            self.sleep(len(prompts) * (longest + shared.max_tokens) * self.latency_per_token_s
+        with self._hold(self.request_bytes(len(ids), longest, shared.max_tokens)):
+            self.sleep(len(ids) * (longest + shared.max_tokens) * self.latency_per_token_s
                        + (1 + shared.max_tokens) * self.latency_per_pass_s)
-            decoded = [_decode(self._words(prompt, own), own, None, lambda: None)
-                       for prompt, own in zip(prompts, params, strict=True)]
-        return [GenerationOutput(text, reason, tokens, made)
-                for (text, reason, made), tokens in zip(decoded, counts, strict=True)]
+            decoded = [decode_words(self._words(prompt, own), own, None, lambda: None)
+                       for prompt, own in zip(ids, params, strict=True)]
+        return [GenerationOutput(text, reason, len(prompt), made)
+                for (text, reason, made), prompt in zip(decoded, ids, strict=True)]
 
-    def _words(self, prompt: str, params: GenerationParams) -> Iterator[str]:
+    def _words(self, ids: Sequence[int], params: GenerationParams) -> Iterator[str]:
         if params.temperature == 0:
-            rng = random.Random(_digest("greedy", prompt))
+            rng = random.Random(digest("greedy", *ids))
         elif params.seed is not None:
-            rng = random.Random(_digest("seeded", params.seed, prompt))
+            rng = random.Random(digest("seeded", params.seed, *ids))
         else:
             rng = self._rng
         vocab = VOCAB[:max(1, round(params.top_p * len(VOCAB)))]
@@ -244,16 +320,11 @@ class FakeEngine:
     # --- memory --------------------------------------------------------------------------
 
     @contextmanager
-    def _hold(self, nbytes: int) -> Iterator[Allocation]:
+    def _hold(self, nbytes: int, faults: bool = True) -> Iterator[Allocation]:
         """Allocate ``nbytes`` for one run and free them on every path. Every request's
-        memory passes here: the single place for fault injection."""
-        if self.hang_probability and self._faults.random() < self.hang_probability:
-            self.sleep(self.hang_s)
-        if self.cuda_error_probability and self._faults.random() < self.cuda_error_probability:
-            raise RuntimeError("CUDA error: device-side assert triggered")
-        if self.oom_probability and self._faults.random() < self.oom_probability:
-            self._poisoned = self.nan_after_oom
-            raise self.device.out_of_memory(nbytes)
+        memory passes here: the single place for fault injection (``faults``)."""
+        if faults:
+            self._inject_faults(nbytes)
         try:
             allocation = self.device.allocate(nbytes)
         except Exception:  # the device's OOM: all allocate raises for a size >= 0
@@ -264,34 +335,15 @@ class FakeEngine:
         finally:
             allocation.free()
 
+    def _inject_faults(self, nbytes: int) -> None:
+        if self.hang_probability and self._faults.random() < self.hang_probability:
+            self.sleep(self.hang_s)
+        if self.cuda_error_probability and self._faults.random() < self.cuda_error_probability:
+            raise RuntimeError("CUDA error: device-side assert triggered")
+        if self.oom_probability and self._faults.random() < self.oom_probability:
+            self._poisoned = self.nan_after_oom
+            raise self.device.out_of_memory(nbytes)
+
     def close(self) -> None:
         """Free the weights (idempotent)."""
         self._weights.free()
-
-
-def _decode(words: Iterator[str], params: GenerationParams,
-            on_text: Callable[[str], bool] | None,
-            step: Callable[[], None]) -> tuple[str, str, int]:
-    """Append words until ``max_tokens``, a stop string, or ``on_text`` returning ``False``.
-
-    Returns ``(text, finish_reason, tokens made)``. What ``on_text`` received, joined, is a
-    prefix of ``text`` (all of it unless cancelled).
-    """
-    hold_back = max((len(s) for s in params.stop if s), default=1) - 1
-    text, sent = "", 0
-    for made in range(1, params.max_tokens + 1):
-        step()
-        text += (" " if text else "") + next(words)
-        cut = min((i for i in (text.find(s) for s in params.stop if s) if i >= 0),
-                  default=-1)
-        if cut >= 0:
-            text = text[:cut]
-            if on_text is not None and cut > sent:
-                on_text(text[sent:])
-            return text, "stop", made
-        safe = len(text) if made == params.max_tokens else len(text) - hold_back
-        if on_text is not None and safe > sent:
-            if not on_text(text[sent:safe]):
-                return text, "cancelled", made
-            sent = safe
-    return text, "length", params.max_tokens

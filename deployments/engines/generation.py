@@ -8,15 +8,17 @@ logic), so the replica can stream it and can stop generation when the client goe
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, StoppingCriteria, TextStreamer
 
-from deployments.engines.base import GenerationOutput, GenerationParams, batch_params
-from deployments.engines.hf import HFEngine
-from serve_app.memory.cost_model import DTYPE_BYTES, TransformerShape
+from deployments.engines.base import GenerationRunner, batch_params
+from deployments.engines.hf import HFEngine, padded
+from serve_app.config import AppArgs, config_error
+from serve_app.memory.cost_model import TransformerShape
+from serve_app.request import GenerationOutput, GenerationParams
 
 logger = logging.getLogger(__name__)
 
@@ -85,28 +87,33 @@ class _StopWhen(StoppingCriteria):
         return self._streamer.stopped
 
 
-@dataclass
-class GenerationEngine(HFEngine):
-    """A loaded causal LM and its tokenizer (arguments: :class:`HFEngine`). ``generate`` and
-    ``profile_run`` must be called from one thread; ``count_tokens`` is thread-safe."""
+class GenerationEngine(GenerationRunner, HFEngine):
+    """A loaded causal LM and its tokenizer (arguments: :class:`HFEngine`), serving
+    ``generate`` requests. ``generate_ids`` and ``profile_run`` must be called from one
+    thread."""
 
-    task = "generate"
+    kinds = ("generate",)
     auto_class = AutoModelForCausalLM
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        config = self.config
-        self.shape = TransformerShape.from_hf_config(
-            {**config, "architectures": config.get("architectures") or ["CausalLM"]},
-            DTYPE_BYTES[self.dtype])
-        self.max_seq_tokens = self.shape.max_positions
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self._pad_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
                         else self.tokenizer.eos_token_id or 0)
 
-    def count_tokens(self, texts: list[str]) -> list[int]:
-        """Prompt tokens per text, as ``generate`` will see them."""
-        encoded = self.tokenize(texts, verbose=False)
-        return [len(ids) for ids in encoded["input_ids"]]
+    @classmethod
+    def model_shape(cls, config: dict[str, Any], dtype_bytes: int) -> TransformerShape:
+        """As :meth:`HFEngine.model_shape`, a decoder even when ``config.json`` names no
+        architecture."""
+        return TransformerShape.from_hf_config(
+            {**config, "architectures": config.get("architectures") or ["CausalLM"]},
+            dtype_bytes)
+
+    @classmethod
+    def check_args(cls, args: AppArgs) -> None:
+        if not args.model.path:
+            raise config_error("model.path", "the generate engine needs a causal LM "
+                               "directory: the packaged model is an embedding model; set "
+                               "model.path to a causal LM directory")
 
     def profile_run(self, batch: int, prompt_tokens: int, new_tokens: int = 0) -> None:
         """Generate exactly ``new_tokens`` (>= 1) after ``batch`` prompts of ``prompt_tokens``."""
@@ -115,15 +122,15 @@ class GenerationEngine(HFEngine):
                        max_new_tokens=max(1, new_tokens), min_new_tokens=max(1, new_tokens),
                        do_sample=False)
 
-    def generate(self, prompt: str, params: GenerationParams,
-                 on_text: Callable[[str], bool] | None = None) -> GenerationOutput:
-        """Complete ``prompt``; see :class:`deployments.engines.base.GenerationEngineProtocol`.
+    def generate_ids(self, ids: Sequence[int], params: GenerationParams,
+                     on_text: Callable[[str], bool] | None = None) -> GenerationOutput:
+        """Complete the prompt ``ids``; see
+        :meth:`deployments.engines.base.GenerationRunner.generate_ids`.
 
         ``finish_reason``: ``stop`` (a stop string or the end-of-sequence token), ``length``
         (``max_tokens`` reached) or ``cancelled`` (``on_text`` returned ``False``).
         """
-        inputs = self.tokenize(prompt, return_tensors="pt")
-        prompt_tokens = int(inputs["input_ids"].shape[1])
+        prompt_tokens = len(ids)
         stop = _StopStrings(params.stop)
         streamer = _Streamer(self.tokenizer, stop, on_text)
         sampling = {"do_sample": False}
@@ -132,6 +139,7 @@ class GenerationEngine(HFEngine):
                         "top_p": params.top_p}
             if params.seed is not None:
                 torch.manual_seed(params.seed)  # one inference thread: the global RNG is ours
+        inputs = padded([ids], self._pad_id)
         output = self._generate(**{k: v.to(self.device) for k, v in inputs.items()},
                                 max_new_tokens=params.max_tokens, streamer=streamer,
                                 stopping_criteria=[_StopWhen(streamer)], **sampling)
@@ -147,13 +155,13 @@ class GenerationEngine(HFEngine):
             reason = "length"
         return GenerationOutput(stop.text, reason, prompt_tokens, completion_tokens)
 
-    def generate_batch(self, prompts: list[str],
-                       params: list[GenerationParams]) -> list[GenerationOutput]:
-        """Complete ``prompts`` in one left-padded batch (see
-        :class:`deployments.engines.base.GenerationEngineProtocol`), generating up to the
-        largest ``max_tokens``. A row ends at its end-of-sequence token (``stop``) or after
-        its own ``max_tokens`` (``length``); rows that end early are padded by ``generate``
-        until the longest is done.
+    def generate_batch_ids(self, ids: Sequence[Sequence[int]],
+                           params: Sequence[GenerationParams]) -> list[GenerationOutput]:
+        """Complete several prompts in one left-padded batch (see
+        :meth:`deployments.engines.base.GenerationRunner.generate_batch_ids`), generating up
+        to the largest ``max_tokens``. A row ends at its end-of-sequence token (``stop``) or
+        after its own ``max_tokens`` (``length``); rows that end early are padded by
+        ``generate`` until the longest is done.
 
         Measured on the 2-core dev machine (4-layer 256-wide random Llama, 8 prompts x 32
         greedy tokens, 1 torch thread): 0.70 s one at a time, 0.16 s as one batch, the same
@@ -163,8 +171,7 @@ class GenerationEngine(HFEngine):
             ValueError: as :func:`deployments.engines.base.batch_params`.
         """
         shared = batch_params(params)
-        inputs = self.tokenize(prompts, return_tensors="pt", padding=True,
-                               padding_side="left")
+        inputs = padded(ids, self._pad_id, side="left")
         sampling: dict = {"do_sample": False}
         if shared.temperature > 0:
             sampling = {"do_sample": True, "temperature": shared.temperature,
@@ -172,17 +179,16 @@ class GenerationEngine(HFEngine):
         output = self._generate(**{k: v.to(self.device) for k, v in inputs.items()},
                                 max_new_tokens=shared.max_tokens, **sampling)
         padded_prompt = int(inputs["input_ids"].shape[1])
-        prompt_tokens = inputs["attention_mask"].sum(dim=1).tolist()
         eos = self.tokenizer.eos_token_id
         results = []
-        for row, prompt_len, own in zip(output[:, padded_prompt:].tolist(), prompt_tokens,
-                                        params, strict=True):
+        for row, prompt, own in zip(output[:, padded_prompt:].tolist(), ids, params,
+                                    strict=True):
             row = row[:own.max_tokens]
             ended = eos is not None and eos in row
             new_ids = row[:row.index(eos) + 1] if ended else row
             text = self.tokenizer.decode(new_ids, skip_special_tokens=True)
             results.append(GenerationOutput(text, "stop" if ended else "length",
-                                            int(prompt_len), len(new_ids)))
+                                            len(prompt), len(new_ids)))
         return results
 
     @torch.inference_mode()

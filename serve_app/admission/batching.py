@@ -73,39 +73,3 @@ def form_batches(members: Sequence[BatchMember], price: Callable[[int, int, int]
                       member.leased_bytes)
         inputs, longest, new, leased = joined
     return sorted((sorted(batch) for batch in batches), key=lambda batch: batch[0])
-
-
-def priced_tokens(token_counts: Sequence[int], batchable: bool, pad_to_multiple_of: int,
-                  limit_tokens: int) -> int:
-    """The padded length a request is priced at: its longest input (or a completion's
-    ``max_tokens``), or, when it can be batched, that rounded up to ``pad_to_multiple_of``
-    (``batching.pad_to_multiple_of``) and capped at ``limit_tokens`` (the limit of that
-    length), so that requests of similar length fit one pass within their leases
-    (over-reserving fewer than ``pad_to_multiple_of`` tokens per input).
-
-    Raises:
-        ValueError: ``token_counts`` is empty.
-    """
-    longest = max(token_counts)
-    if not batchable:
-        return longest
-    padded = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
-    return min(max(padded, longest), limit_tokens)
-
-
-def priced_shape(token_counts: Sequence[int], new_tokens: int, batchable: bool,
-                 pad_to_multiple_of: int, max_input_tokens: int,
-                 max_tokens: int) -> tuple[int, int]:
-    """``(prompt tokens, new tokens)`` a request is priced at (with its number of inputs,
-    the cost model's shape): its longest input and, for a completion, its ``max_tokens``
-    (``new_tokens``; 0 for an embedding), each padded by :func:`priced_tokens` when the
-    request can be batched, capped at ``limits.max_input_tokens`` and ``limits.max_tokens``.
-    The replica's rule; the load test's slot count prices with it too.
-
-    Raises:
-        ValueError: ``token_counts`` is empty.
-    """
-    prompt = priced_tokens(token_counts, batchable, pad_to_multiple_of, max_input_tokens)
-    new = priced_tokens([new_tokens], batchable, pad_to_multiple_of, max_tokens) \
-        if new_tokens else 0
-    return prompt, new

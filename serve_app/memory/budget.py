@@ -7,10 +7,18 @@ class InsufficientMemoryError(RuntimeError):
     """The device cannot hold even one largest request: the replica must not start."""
 
 
+def budget_formula_bytes(capacity_bytes: int, held_bytes: int, reserve_bytes: int,
+                         safety_factor: float) -> int:
+    """``int((capacity - held - reserve) x safety_factor)`` (may be <= 0): the replica's budget,
+    the one formula behind :func:`derive_budget_bytes` and the planned estimate
+    (:mod:`serve_app.planning`)."""
+    return int((capacity_bytes - held_bytes - reserve_bytes) * safety_factor)
+
+
 def derive_budget_bytes(capacity_bytes: int, held_bytes: int, reserve_bytes: int,
                         safety_factor: float, min_request_bytes: int = 0,
                         override_bytes: int | None = None) -> int:
-    """``(capacity - held - reserve) * safety_factor``, as in DESIGN.md.
+    """``(capacity - held - reserve) * safety_factor`` (:func:`budget_formula_bytes`), checked.
 
     Args:
         capacity_bytes: the replica's share of the device (CUDA: its fraction of the card; CPU:
@@ -38,7 +46,7 @@ def derive_budget_bytes(capacity_bytes: int, held_bytes: int, reserve_bytes: int
                 f"{formula} = {available} bytes. Lower memory.budget_bytes or raise "
                 "memory.capacity_bytes (or num_gpus).")
         return override_bytes
-    budget = int(available * safety_factor)
+    budget = budget_formula_bytes(capacity_bytes, held_bytes, reserve_bytes, safety_factor)
     if budget <= 0 or budget < min_request_bytes:
         raise InsufficientMemoryError(
             f"budget of {budget} bytes = {formula} x safety {safety_factor} cannot hold the "

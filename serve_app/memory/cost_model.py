@@ -12,7 +12,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -32,6 +32,20 @@ ATTENTION_MATRICES = 2
 # KV cache: K and V per layer, each batch x tokens x kv_heads x head_dim (Pope et al. 2022,
 # "Efficiently Scaling Transformer Inference", section 2.1; vLLM's block size arithmetic).
 KV_TENSORS = 2
+
+
+class Shape(NamedTuple):
+    """The size of a request or of a forward pass, as a cost model reads it.
+
+    Attributes:
+        inputs: rows of the batch (embedding inputs, or prompts), >= 1.
+        prompt_tokens: tokens each row is padded to, >= 1.
+        new_tokens: tokens generated per row (0 for an encoder pass).
+    """
+
+    inputs: int
+    prompt_tokens: int
+    new_tokens: int = 0
 
 
 class CostModel(Protocol):
@@ -260,6 +274,24 @@ class CorrectedCostModel:
     def request_bytes(self, batch: int, prompt_tokens: int, new_tokens: int = 0) -> int:
         base = self.base.request_bytes(batch, prompt_tokens, new_tokens)
         return base if self.factor == 1.0 else math.ceil(base * self.factor)
+
+    def published(self) -> dict[str, Any]:
+        """What the replica publishes so that others price as it does: the base model's
+        :meth:`FittedCostModel.to_dict` and the exact ``correction_factor`` (not rounded: a
+        rounded factor would price differently from the replica)."""
+        return {**self.base.to_dict(), "correction_factor": self.factor}
+
+    @classmethod
+    def from_published(cls, raw: dict[str, Any]) -> CorrectedCostModel:
+        """The model :meth:`published` describes: it prices every shape exactly as the
+        publishing replica does.
+
+        Raises:
+            KeyError, ValueError: ``raw`` is not a published fitted model.
+        """
+        model = cls(FittedCostModel.from_dict(raw))
+        model.factor = float(raw.get("correction_factor", 1.0))
+        return model
 
     def observe_oom(self, priced_bytes: int, observed_min_bytes: int) -> bool:
         """Record an OOM'd request priced ``priced_bytes`` that needed at least

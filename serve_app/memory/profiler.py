@@ -17,18 +17,15 @@ from pathlib import Path
 from typing import Any
 
 from serve_app.memory.cost_model import (
-    DECODER_FEATURES,
-    ENCODER_FEATURES,
-    AnalyticCostModel,
+    CostModel,
     FittedCostModel,
+    Shape,
     fit_cost_model,
     relative_error,
 )
 from serve_app.memory.probes import DeviceProbe
 
 logger = logging.getLogger(__name__)
-
-Shape = tuple[int, int, int]  # (batch, prompt_tokens, new_tokens)
 PROFILE_VERSION = 1
 
 # Documented accuracy on CPU (host RSS high-water marks, median of 3 runs per shape), checked
@@ -51,16 +48,17 @@ def profile_ladder(max_batch: int, max_prompt_tokens: int,
 
     The grid spans 1..``max_batch`` x a few prompt lengths up to ``max_prompt_tokens`` (x new
     tokens up to ``max_new_tokens`` for generation), so the largest request the limits allow is
-    always measured. Returns ``(train, held_out)``, smallest first.
+    always measured. Returns ``(train, held_out)`` as :class:`Shape` s, smallest first.
     """
     batches = sorted({1, max(1, max_batch // 4), max_batch})
     prompts = sorted({min(8, max_prompt_tokens), max(1, max_prompt_tokens // 2),
                       max_prompt_tokens})
     news = sorted({1, max(1, max_new_tokens // 2), max_new_tokens}) if max_new_tokens else [0]
-    train = [(b, p, n) for b in batches for p in prompts for n in news]
-    candidates = [(max(1, max_batch // 2), max(1, 3 * max_prompt_tokens // 4),
-                   3 * max_new_tokens // 4),
-                  (max(1, max_batch // 8), max(1, max_prompt_tokens // 4), max_new_tokens // 4)]
+    train = [Shape(b, p, n) for b in batches for p in prompts for n in news]
+    candidates = [Shape(max(1, max_batch // 2), max(1, 3 * max_prompt_tokens // 4),
+                        3 * max_new_tokens // 4),
+                  Shape(max(1, max_batch // 8), max(1, max_prompt_tokens // 4),
+                        max_new_tokens // 4)]
     held_out = sorted({s for s in candidates if s not in train})
     return sorted(train, key=_volume), held_out
 
@@ -203,27 +201,28 @@ def measure_peaks(run: Callable[[int, int, int], Any], probe: DeviceProbe,
 
 
 def profile_memory(run: Callable[[int, int, int], Any], probe: DeviceProbe,
-                   analytic: AnalyticCostModel, *, task: str, model_path: str,
-                   held_bytes: int, max_batch: int, max_prompt_tokens: int,
-                   max_new_tokens: int = 0,
+                   analytic: CostModel | None, *, features: tuple[str, ...],
+                   ladder: tuple[list[Shape], list[Shape]], task: str, model_path: str,
+                   held_bytes: int,
                    on_progress: Callable[[str], None] = logger.info) -> MemoryProfile:
-    """Measure the ladder of :func:`profile_ladder`, fit the cost model, check it on held-out
+    """Measure the shapes of ``ladder`` (``(fitted, held out)``, from the engine's
+    :func:`profile_ladder`), fit the cost model over ``features``, check it on the held-out
     shapes. One warm-up run of the smallest shape first: first calls allocate lazily (thread
-    pools, kernels) and would read as request memory.
+    pools, kernels) and would read as request memory. ``analytic``: the cross-check shown
+    beside each point (``None``: shown as 0).
 
     Raises:
         ValueError: the measurements are all zero (the probe sees nothing; fix the probe).
     """
     started = time.monotonic()
-    train, held_out = profile_ladder(max_batch, max_prompt_tokens, max_new_tokens)
+    train, held_out = ladder
     run(*train[0])
     measured = measure_peaks(run, probe, train + held_out, on_progress)
     peaks = [median for median, _ in measured]
     train_peaks, held_peaks = peaks[:len(train)], peaks[len(train):]
     if not any(peaks):
         raise ValueError(f"every measured peak was 0 bytes with {probe.method}")
-    features = DECODER_FEATURES if analytic.shape.is_decoder else ENCODER_FEATURES
-    if max_new_tokens == 0:
+    if not any(shape[2] for shape in train):
         features = tuple(f for f in features if f != "batch_prompt")
     features = features[:len(train)]  # tiny limits give few shapes: fit fewer terms
     fitted = fit_cost_model(train, train_peaks, features)
@@ -233,8 +232,8 @@ def profile_memory(run: Callable[[int, int, int], Any], probe: DeviceProbe,
                              max(errors) if errors else float("nan"))
     points = tuple(
         ProfilePoint(*shape, measured_bytes=median, predicted_bytes=fitted.request_bytes(*shape),
-                     analytic_bytes=analytic.request_bytes(*shape), held_out=i >= len(train),
-                     spread_bytes=spread)
+                     analytic_bytes=analytic.request_bytes(*shape) if analytic else 0,
+                     held_out=i >= len(train), spread_bytes=spread)
         for i, (shape, (median, spread)) in enumerate(zip(train + held_out, measured,
                                                           strict=True)))
     return MemoryProfile(device=probe.device, method=probe.method, task=task,

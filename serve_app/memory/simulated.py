@@ -181,6 +181,9 @@ class SimulatedDeviceProbe:
     Args:
         device: the simulated device.
         share: fraction of the device this replica owns, in (0, 1].
+        total_bytes: the whole simulated card's size, when ``device`` is built at a
+            replica's share of it (default: the device's capacity); the ``profile`` command
+            recommends ``num_gpus`` from it, as from a CUDA card's total.
 
     Raises:
         ValueError: ``share`` outside (0, 1].
@@ -189,10 +192,12 @@ class SimulatedDeviceProbe:
     method = "simulated device: allocations counted exactly"
     repeats = 1
 
-    def __init__(self, device: SimulatedDevice, share: float = 1.0) -> None:
+    def __init__(self, device: SimulatedDevice, share: float = 1.0,
+                 total_bytes: int | None = None) -> None:
         if not 0.0 < share <= 1.0:
             raise ValueError(f"share must be in (0, 1], got {share}")
         self._device = device
+        self.total_bytes = total_bytes or device.capacity_bytes
         self._share = share
         self.device = f"{device.name} ({device.capacity_bytes / GIB:.1f} GiB)"
         self._request_baseline = 0

@@ -58,7 +58,8 @@ def _wait_for_replicas(base_url: str, count: int, timeout_s: float) -> list[dict
         time.sleep(1)
 
 
-async def _load(base_url: str, stop: asyncio.Event, outcomes: Counter) -> None:
+async def _load(base_url: str, stop: asyncio.Event, outcomes: Counter,
+                errors: list[str]) -> None:
     async with httpx.AsyncClient(base_url=base_url, timeout=CLIENT_TIMEOUT_S) as http:
 
         async def client(i: int) -> None:
@@ -67,6 +68,8 @@ async def _load(base_url: str, stop: asyncio.Event, outcomes: Counter) -> None:
                     response = await http.post("/v1/embeddings",
                                                json={"input": " ".join(["w"] * (5 + i))})
                     key = str(response.status_code)
+                    if response.status_code >= 500 and response.status_code not in (503, 504):
+                        errors.append(response.text[:300])  # what a 500 said, for the record
                     if response.status_code == 503:
                         if "retry-after" not in response.headers:
                             key += " without Retry-After"
@@ -80,10 +83,11 @@ async def _load(base_url: str, stop: asyncio.Event, outcomes: Counter) -> None:
         await asyncio.gather(*(client(i) for i in range(8)))
 
 
-async def _phase(base_url: str, seconds: float, during=None) -> Counter:
+async def _phase(base_url: str, seconds: float, during=None,
+                 errors: list[str] | None = None) -> Counter:
     outcomes: Counter = Counter()
     stop = asyncio.Event()
-    load = asyncio.create_task(_load(base_url, stop, outcomes))
+    load = asyncio.create_task(_load(base_url, stop, outcomes, [] if errors is None else errors))
     if during is not None:
         await asyncio.sleep(1.0)
         await asyncio.to_thread(during)
@@ -91,6 +95,17 @@ async def _phase(base_url: str, seconds: float, during=None) -> Counter:
     stop.set()
     await load
     return outcomes
+
+
+def _serve_actors_by_node() -> dict[str, list[str]]:
+    """The Serve replica actors alive on each node (class names)."""
+    from ray.util.state import list_actors
+
+    hosted: dict[str, list[str]] = {}
+    for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
+        if "ServeReplica" in (actor.class_name or ""):
+            hosted.setdefault(actor.node_id, []).append(actor.class_name)
+    return hosted
 
 
 def _worker_with_only_model_replicas(workers: list[Any]) -> Any:
@@ -129,9 +144,12 @@ def main() -> dict[str, Any]:
         result["nodes_that_served"] = sorted(served)
         killed = _worker_with_only_model_replicas(workers)
         result["killed"] = killed.node_id
+        result["killed_hosted"] = sorted(_serve_actors_by_node().get(killed.node_id, []))
         started = time.monotonic()
+        result["kill_errors"] = []
         result["kill"] = dict(asyncio.run(_phase(
-            base_url, 8.0, during=lambda: cluster.remove_node(killed, allow_graceful=False))))
+            base_url, 8.0, during=lambda: cluster.remove_node(killed, allow_graceful=False),
+            errors=result["kill_errors"])))
         survivors = _wait_for_replicas(base_url, 2, 60)
         result["survivor_nodes"] = sorted({r["node_id"] for r in survivors})
         result["after_kill"] = dict(asyncio.run(_phase(base_url, 3.0)))

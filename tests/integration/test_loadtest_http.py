@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.run import RunSpec, Scraper, config_args, run_locust
+from loadtest.runner import RunSpec, Scraper, config_args, run_locust
 from loadtest.scenarios import BASELINES, apply_overrides
 from loadtest.summary import run_row
 

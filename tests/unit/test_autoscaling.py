@@ -345,6 +345,8 @@ from ray.serve._private.common import DeploymentID, ReplicaID  # noqa: E402
 from ray.serve.autoscaling_policy import _apply_autoscaling_config  # noqa: E402
 
 from deployments import autoscaling as adapter  # noqa: E402
+from serve_app import replica_state as keys  # noqa: E402
+from serve_app.replica_state import DeviceFigures, GateFigures, ReplicaState  # noqa: E402
 
 DEP = DeploymentID(name="ModelServer", app_name="default")
 REPLICAS = [ReplicaID(unique_id=f"r{i}", deployment_id=DEP) for i in range(2)]
@@ -372,18 +374,25 @@ def context(config: object, now: float, state: dict, per_replica: dict[str, floa
         last_scale_up_time=None, last_scale_down_time=None, current_time=now, config=config)
 
 
-def replica_stats(queue: float = 0, queued_gb: float = 0, reserved_gb: float = 0,
-                  budget_gb: float = 10, leases: float = 0) -> dict[str, float]:
-    return adapter.replica_autoscaling_stats(
-        {"queue_depth": queue, "queued_bytes": queued_gb * GB, "reserved_bytes": reserved_gb * GB,
-         "budget_bytes": budget_gb * GB, "active_leases": leases, "model": "ignored"})
+def replica_stats(queue: int = 0, queued_gb: float = 0, reserved_gb: float = 0,
+                  budget_gb: float = 10, leases: int = 0) -> dict[str, float]:
+    """What a replica in this state returns from ``record_autoscaling_stats``."""
+    budget = int(budget_gb * GB)
+    gate = GateFigures(budget, int(reserved_gb * GB), int(reserved_gb * GB),
+                       budget - int(reserved_gb * GB), leases, queue, int(queued_gb * GB), 0, 0,
+                       None)
+    state = ReplicaState("r", "node", (), 0.0, "ignored", "fake", ("embed",), "budget", "bytes",
+                         {}, {}, gate, DeviceFigures(0, 0, 0, None, 1.0, 0), budget, budget,
+                         0, 0)
+    return state.to_autoscaling_stats()
 
 
 def test_replica_stats_are_numbers_under_the_module_keys() -> None:
     stats = replica_stats(queue=3, reserved_gb=1, leases=2)
-    assert set(stats) == set(adapter.METRIC_KEYS)
+    assert set(stats) == set(keys.AUTOSCALING_KEYS)
     assert all(type(v) is float for v in stats.values())  # Ray refuses anything else
-    assert stats[adapter.QUEUE_DEPTH_KEY] == 3 and stats[adapter.RUNNING_REQUESTS_KEY] == 2
+    assert stats[keys.AUTOSCALING_QUEUE_DEPTH_KEY] == 3
+    assert stats[keys.AUTOSCALING_RUNNING_REQUESTS_KEY] == 2
 
 
 def test_the_snapshot_sums_per_replica_metrics_from_the_context() -> None:
@@ -401,7 +410,7 @@ def test_the_snapshot_sums_per_replica_metrics_from_the_context() -> None:
 def test_a_replica_without_a_budget_figure_has_not_reported() -> None:
     config = ray_autoscaling_config("QueueAutoscalingPolicy")
     stats = replica_stats(queue=2)
-    del stats[adapter.BUDGET_BYTES_KEY]
+    del stats[keys.AUTOSCALING_BUDGET_BYTES_KEY]
     assert adapter.snapshot_from_context(context(config, 0.0, {}, stats)).replicas == ()
 
 

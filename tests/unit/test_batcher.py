@@ -24,18 +24,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deployments.batching import RequestBatcher
-from deployments.engines.base import GenerationOutput, GenerationParams
 from deployments.engines.fake import FakeEngine
-from deployments.inference import InferenceThread
-from serve_app.admission.batching import priced_shape, priced_tokens
-from serve_app.admission.controller import AdmissionController
-from serve_app.admission.policy import AdmissionPolicy
-from serve_app.config import AdmissionConfig, BatchingConfig
+from deployments.replica import Replica as ReplicaParts
+from deployments.replica import ReplicaIdentity
+from serve_app.admission.ticket import Ticket
+from serve_app.config import parse_args
 from serve_app.errors import OverloadedError
-from serve_app.memory.cost_model import CorrectedCostModel
+from serve_app.kinds import build_request
+from serve_app.memory.cost_model import Shape
 from serve_app.memory.simulated import SimulatedDevice, SimulatedDeviceProbe
 from serve_app.metrics import ProcessMetrics
+from serve_app.pricing import priced_tokens
+from serve_app.request import GenerationOutput, GenerationParams, InferenceRequest
 from tests.unit.conftest import assert_idle
 
 PER_TOKEN_BYTES = 1000
@@ -45,9 +45,19 @@ MAX_TOKENS = 62  # limits.max_tokens
 LABELS = {"deployment": "ModelServer", "replica": "test"}
 
 
+def replica_args(max_batch_size: int = 8, max_wait_ms: float = 0.0,
+                 max_queue_wait_s: float = 60.0) -> Any:
+    return parse_args({
+        "admission": {"max_queue_len": 256, "max_queue_wait_s": max_queue_wait_s},
+        "batching": {"max_batch_size": max_batch_size, "max_wait_ms": max_wait_ms,
+                     "pad_to_multiple_of": PAD_TO},
+        "limits": {"max_input_tokens": MAX_INPUT_TOKENS, "max_tokens": MAX_TOKENS}})
+
+
 class Replica:
-    """What a model replica assembles for batching, without Ray: one inference thread, the
-    fake engine (exact bytes per token; ``sleep`` is its inference time) and the gate."""
+    """A real model replica's parts (:class:`deployments.replica.Replica`) without Ray: one
+    inference thread, the fake engine (exact bytes per token; ``sleep`` is its inference
+    time), the gate, the batcher and the request lifecycle."""
 
     def __init__(self, budget_bytes: int, max_batch_size: int, max_wait_ms: float = 0.0,
                  sleep=time.sleep, latency_per_token_s: float = 0.0,
@@ -56,45 +66,41 @@ class Replica:
         self.engine = FakeEngine(self.device, weights_bytes=0, bytes_per_token=PER_TOKEN_BYTES,
                                  latency_per_token_s=latency_per_token_s, sleep=sleep,
                                  max_seq_tokens=MAX_INPUT_TOKENS)
-        self.gate = AdmissionController(budget_bytes, max_queue_len=256, max_queue_wait_s=60.0)
+        self.args = replica_args(max_batch_size, max_wait_ms, max_queue_wait_s)
         self.metrics = ProcessMetrics(LABELS["deployment"], LABELS["replica"], use_ray=False)
         self.executor = ThreadPoolExecutor(max_workers=1)
-        self.inference = InferenceThread(
-            self.executor, self.engine, SimulatedDeviceProbe(self.device), self.gate,
-            CorrectedCostModel(self.engine), None,
-            AdmissionConfig(max_queue_wait_s=max_queue_wait_s), self.metrics)
-        self.config = BatchingConfig(max_batch_size=max_batch_size, max_wait_ms=max_wait_ms,
-                                     pad_to_multiple_of=PAD_TO)
-        self.batcher = RequestBatcher(self.inference, self.engine, self.engine,
-                                        AdmissionPolicy.create("budget", budget_bytes, 1),
-                                        self.gate, self.config)
+        self.parts = ReplicaParts(self.engine, SimulatedDeviceProbe(self.device),
+                                  self.engine.costs, budget_bytes, self.args, self.executor,
+                                  self.metrics, ReplicaIdentity("test"))
+        self.gate, self.batcher = self.parts.gate, self.parts.batcher
+        self.inference = self.parts.thread
+
+    def request(self, kind: str, texts: list[str],
+                params: GenerationParams | None = None) -> InferenceRequest:
+        """What the ingress hands the replica: tokenized, validated, priced."""
+        return build_request(kind, self.engine.front.tokenize(texts), params, False,
+                             self.args, self.engine.max_seq_tokens)
 
     async def embed(self, texts: list[str]) -> np.ndarray:
-        """What ``ModelServer.embed`` does with batching on: price, lease, batch."""
+        """What ``ModelServer.infer`` does with an embeddings request: price, lease, batch."""
         rows, _ = await self.embed_and_wait(texts)
         return rows
 
     async def embed_and_wait(self, texts: list[str]) -> tuple[np.ndarray, float]:
-        """:meth:`embed`, and the seconds waited beyond the lease (for a pass, the thread)."""
-        counts = self.engine.count_tokens(texts)
-        tokens, _ = priced_shape(counts, 0, len(texts) <= self.config.max_batch_size, PAD_TO,
-                                 MAX_INPUT_TOKENS, MAX_TOKENS)
-        admission = await self.gate.acquire(self.engine.request_bytes(len(texts), tokens))
-        return await self.batcher.embed(texts, counts, admission)
+        """:meth:`embed`, and the request's whole queue wait (``X-Queue-Wait-Ms``)."""
+        result = await self.parts.lifecycle.infer(self.request("embed", texts))
+        return result.output.embeddings, result.admitted.queue_wait_s
 
     async def complete(self, prompt: str, params: GenerationParams) -> GenerationOutput:
-        """What ``ModelServer.complete`` does with a batchable completion."""
-        [count] = self.engine.count_tokens([prompt])
-        shape = priced_shape([count], params.max_tokens, True, PAD_TO, MAX_INPUT_TOKENS,
-                             MAX_TOKENS)
-        admission = await self.gate.acquire(self.engine.request_bytes(1, *shape))
-        output, _ = await self.batcher.complete(prompt, count, params, admission)
-        return output
+        """What ``ModelServer.infer`` does with a batchable completion."""
+        result = await self.parts.lifecycle.infer(self.request("generate", [prompt], params))
+        return result.output
 
     async def settle(self) -> None:
         """Wait until the thread has finished all it was given and its callbacks ran."""
         await asyncio.get_running_loop().run_in_executor(self.executor, lambda: None)
-        await asyncio.sleep(0)
+        for _ in range(3):
+            await asyncio.sleep(0)
 
     def passes_within_leases(self) -> tuple[float, float]:
         """(passes observed, passes whose measured peak was <= their leased bytes)."""
@@ -104,7 +110,7 @@ class Replica:
                 sample(f"{name}_bucket", {**LABELS, "le": "1.0"}) or 0.0)
 
     def close(self) -> None:
-        self.batcher.close()
+        self.parts.close()
         self.executor.shutdown(wait=True)
         self.engine.close()
 
@@ -203,22 +209,24 @@ async def test_completions_longer_together_than_the_context_run_apart() -> None:
     requests = [(words(48, 1), GenerationParams(max_tokens=4, temperature=0.0)),
                 (words(3, 2), GenerationParams(max_tokens=40, temperature=0.0))]
     async with held_replica(budget_bytes=10**7, max_batch_size=8) as (replica, gate, first):
-        waiting = []
+        tickets = []
         for prompt, params in requests:
-            [count] = replica.engine.count_tokens([prompt])
+            request = replica.request("generate", [prompt], params)
             admission = await replica.gate.acquire(
-                10 * replica.engine.request_bytes(1, count, params.max_tokens))
-            waiting.append(asyncio.create_task(
-                replica.batcher.complete(prompt, count, params, admission)))
+                10 * replica.engine.request_bytes(1, request.token_counts[0],
+                                                  params.max_tokens))
+            tickets.append(Ticket(request, admission))
+        waiting = [asyncio.create_task(replica.batcher.submit(t)) for t in tickets]
         await let_them_reach_the_batcher()
         gate.release.set()
         outputs = await asyncio.gather(*waiting)
+        for ticket in tickets:
+            ticket.release_when_free(replica.gate.release)
         await first
         await replica.settle()
         assert replica.batcher.passes == 3  # embed | one | the other
         reference = reference_engine()
-        assert [output for output, _ in outputs] == \
-            [reference.generate(*request) for request in requests]
+        assert outputs == [reference.generate(*request) for request in requests]
         assert_idle(replica.gate.queue)
 
 
@@ -393,8 +401,18 @@ def test_batchable_requests_are_priced_padded_to_the_next_multiple() -> None:
     with pytest.raises(ValueError):
         priced_tokens([], True, PAD_TO, MAX_INPUT_TOKENS)
     # A completion's max_tokens is padded too, capped at limits.max_tokens; an embedding
-    # generates nothing.
-    assert priced_shape([10], 30, True, PAD_TO, MAX_INPUT_TOKENS, MAX_TOKENS) == (16, 32)
-    assert priced_shape([10], 61, True, PAD_TO, MAX_INPUT_TOKENS, MAX_TOKENS) == (16, 62)
-    assert priced_shape([10], 30, False, PAD_TO, MAX_INPUT_TOKENS, MAX_TOKENS) == (10, 30)
-    assert priced_shape([3, 14], 0, True, PAD_TO, MAX_INPUT_TOKENS, MAX_TOKENS) == (16, 0)
+    # generates nothing; a completion that cannot be batched (a stop string) is priced as it
+    # is. (build_request: the ingress's one rule.)
+    args = replica_args()
+
+    def shape(kind: str, counts: list[int], params: GenerationParams | None = None) -> Shape:
+        ids = [[1] * n for n in counts]
+        return build_request(kind, ids, params, False, args, MAX_INPUT_TOKENS).shape
+
+    greedy = GenerationParams(max_tokens=30, temperature=0.0)
+    assert shape("generate", [10], greedy) == Shape(1, 16, 32)
+    assert shape("generate", [2], GenerationParams(max_tokens=61, temperature=0.0)) == \
+        Shape(1, 16, 62)
+    assert shape("generate", [10], GenerationParams(max_tokens=30, temperature=0.0,
+                                                    stop=("x",))) == Shape(1, 10, 30)
+    assert shape("embed", [3, 14]) == Shape(2, 16, 0)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from deployments.engines.registry import engine_class
 from serve_app.__main__ import (
     EXIT_INSUFFICIENT_MEMORY,
     EXIT_USAGE,
@@ -155,7 +156,7 @@ def test_profile_the_packaged_minilm(tmp_path: Path) -> None:
     # The printed recommendation is plan_from_profile's, and a config using the saved
     # profile plans exactly that.
     args = parse_args(app["args"])
-    expected = plan_from_profile(args, profile)
+    expected = plan_from_profile(args, profile, engine_class(args).kinds)
     printed = {key: re.search(rf"^  {key}: (\S+)", stdout, re.MULTILINE).group(1)
                for key in ("max_ongoing_requests", "budget_bytes", "num_gpus")}
     assert printed == {"max_ongoing_requests": str(expected.max_ongoing_requests),
@@ -165,7 +166,7 @@ def test_profile_the_packaged_minilm(tmp_path: Path) -> None:
     assert f"    profile_path: {out}" in stdout
     with_profile = args.model_copy(update={"memory": args.memory.model_copy(
         update={"profile_path": str(out)})})
-    planned = plan_deployment(with_profile)
+    planned = plan_deployment(with_profile, engine_class(with_profile))
     assert planned.max_ongoing_requests == expected.max_ongoing_requests
     assert planned.how == f"measured profile {out}"
 

@@ -106,16 +106,3 @@ def test_every_section_field_is_documented() -> None:
     for section in AppArgs.model_fields.values():
         for name, field in section.annotation.model_fields.items():
             assert field.description, f"{section.annotation.__name__}.{name} has no description"
-
-
-def test_a_budget_larger_than_the_replicas_share_of_the_card_is_rejected() -> None:
-    (only,) = problems({"model": {"task": "fake"}, "deployment": {"num_gpus": 0.5},
-                        "fake": {"device_capacity_bytes": 16 << 30},
-                        "memory": {"capacity_bytes": 10 << 30}})
-    assert "memory.capacity_bytes=10737418240 does not fit" in only
-    assert "0.5 x fake.device_capacity_bytes = 8589934592" in only
-
-
-def test_generation_needs_a_model_path() -> None:
-    (only,) = problems({"model": {"task": "generate"}})
-    assert "set model.path to a causal LM directory" in only

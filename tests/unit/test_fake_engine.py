@@ -9,15 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from deployments.engines.base import (
-    EmbeddingEngineProtocol,
-    GenerationEngineProtocol,
-    GenerationParams,
-)
+from deployments.engines.base import Engine
 from deployments.engines.fake import FakeEngine
-from serve_app.memory.cost_model import AnalyticCostModel
+from serve_app.memory.cost_model import AnalyticCostModel, Shape
 from serve_app.memory.profiler import profile_memory
 from serve_app.memory.simulated import SimulatedDevice, SimulatedDeviceProbe
+from serve_app.request import GenerationParams, InferenceRequest
 
 CAPACITY = 10_000_000
 WEIGHTS = 1_000_000
@@ -74,19 +71,20 @@ def greedy(max_tokens: int = 12, stop: tuple[str, ...] = ()) -> GenerationParams
     return GenerationParams(max_tokens=max_tokens, temperature=0.0, stop=stop)
 
 
-def test_has_every_member_of_both_engine_protocols(engine: FakeEngine) -> None:
-    for protocol in (EmbeddingEngineProtocol, GenerationEngineProtocol):
-        members: set[str] = set()
-        for cls in protocol.__mro__:
-            if cls.__module__ == "deployments.engines.base":
-                members |= set(vars(cls).get("__annotations__", {}))
-                members |= {name for name in vars(cls) if not name.startswith("_")}
-        assert {"count_tokens", "profile_run", "shape"} <= members
-        missing = {m for m in members if not hasattr(engine, m)}
-        assert not missing, f"{protocol.__name__} members missing: {missing}"
-    assert engine.task == "fake"
+def test_serves_both_kinds_through_the_engine_protocol(engine: FakeEngine) -> None:
+    assert isinstance(engine, Engine) and engine.kinds == ("embed", "generate")
+    for member in ("run_embed", "run_generate", "stream_generate", "embed_ids", "generate_ids",
+                   "generate_batch_ids", "profile_run", "canary", "fit_features"):
+        assert hasattr(engine, member), member
     assert engine.shape.hidden_size == engine.dimensions == 32
     assert AnalyticCostModel(engine.shape).request_bytes(1, 8, 8) > 0
+    ids = engine.front.tokenize(["a b", "c"])
+    embed = InferenceRequest("embed", tuple(map(tuple, ids)), Shape(2, 4, 0))
+    generate = InferenceRequest("generate", (tuple(ids[0]),), Shape(1, 4, 3), greedy(3))
+    [embedded] = engine.run_batch([embed])
+    np.testing.assert_array_equal(embedded.embeddings, engine.embed(["a b", "c"]))
+    assert embedded.prompt_tokens == 7
+    assert engine.run_batch([generate]) == [engine.generate("a b", greedy(3))]
 
 
 def test_the_weights_are_held_from_construction(device: SimulatedDevice) -> None:
@@ -100,7 +98,9 @@ def test_the_weights_are_held_from_construction(device: SimulatedDevice) -> None
 
 
 def test_counts_words_plus_two_special_tokens(engine: FakeEngine) -> None:
-    assert engine.count_tokens(["hello world", "", "  one\ttwo\nthree "]) == [4, 2, 5]
+    ids = engine.front.tokenize(["hello world", "", "  one\ttwo\nthree ", "world"])
+    assert [len(i) for i in ids] == [4, 2, 5, 3]
+    assert ids[0][2] == ids[3][1] and ids[0][1] != ids[0][2]  # one id per word
 
 
 @pytest.mark.parametrize("shape", [(1, 8, 0), (4, 17, 0), (2, 10, 30), (8, 64, 16)])
@@ -118,9 +118,9 @@ def test_profile_run_peaks_at_exactly_the_request_cost(
 
 def test_the_profiler_fits_the_true_cost(engine: FakeEngine, device: SimulatedDevice) -> None:
     profile = profile_memory(engine.profile_run, SimulatedDeviceProbe(device, share=0.5),
-                             AnalyticCostModel(engine.shape), task="fake", model_path="fake",
-                             held_bytes=WEIGHTS, max_batch=8, max_prompt_tokens=64,
-                             max_new_tokens=32, on_progress=lambda _: None)
+                             engine.analytic_model(), features=engine.fit_features,
+                             ladder=engine.profile_ladder(Shape(8, 64, 32)), task="fake",
+                             model_path="fake", held_bytes=WEIGHTS, on_progress=lambda _: None)
     assert profile.capacity_bytes == CAPACITY // 2
     assert profile.fit_error < 1e-6
     for point in profile.points:
@@ -278,6 +278,19 @@ def test_injected_faults_raise_and_leave_only_the_weights(engine: FakeEngine,
     assert device.allocated_bytes == WEIGHTS
 
 
+def test_profiling_measures_the_model_not_the_injected_faults(
+        engine: FakeEngine, device: SimulatedDevice, sleep: SleepLog) -> None:
+    engine.oom_probability = engine.cuda_error_probability = engine.hang_probability = 1.0
+    probe = SimulatedDeviceProbe(device)
+    baseline = probe.start_peak()
+    engine.profile_run(2, 8, 4)
+    assert probe.peak_bytes() - baseline == 2 * (8 + 4) * PER_TOKEN + PER_REQUEST
+    assert engine.hang_s not in sleep.calls
+    assert engine.canary() is True
+    with pytest.raises(RuntimeError, match="device-side assert"):  # traffic still gets them
+        engine.embed(["a b"])
+
+
 def test_the_canary_sees_nan_output_after_an_oom_only_when_asked_to(
         engine: FakeEngine, device: SimulatedDevice) -> None:
     free_tokens = (CAPACITY - WEIGHTS) // PER_TOKEN
@@ -302,7 +315,7 @@ def test_a_generation_batch_holds_one_padded_cache_and_answers_each_prompt_as_al
     together = engine.generate_batch(prompts, params)
     assert together == alone
     assert [o.completion_tokens for o in together] == [5, 2, 4]
-    longest = max(engine.count_tokens(prompts))
+    longest = max(len(ids) for ids in engine.front.tokenize(prompts))
     assert engine.device.peak_allocated_bytes - before == \
         engine.request_bytes(3, longest, 5)  # every row's cache is as long as the largest
     for bad in ([GenerationParams(stop=("six",))] * 3,

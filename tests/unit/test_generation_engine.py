@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.engines.base import GenerationParams
 from deployments.engines.generation import GenerationEngine
+from serve_app.request import GenerationParams
 from tests.support import build_tiny_causal_lm
 
 PROMPTS = ["the quick brown fox", "a memory budget admits requests by measured bytes",
@@ -26,7 +26,7 @@ def test_a_greedy_batch_gives_each_prompt_its_own_completion(engine) -> None:
     alone = [engine.generate(prompt, p) for prompt, p in zip(PROMPTS, params, strict=True)]
     together = engine.generate_batch(PROMPTS, params)
     assert together == alone
-    assert [o.prompt_tokens for o in together] == engine.count_tokens(PROMPTS)
+    assert [o.prompt_tokens for o in together] == [len(i) for i in engine.front.tokenize(PROMPTS)]
     assert all(1 <= o.completion_tokens <= 12 for o in together)
     assert {o.finish_reason for o in together} <= {"stop", "length"}
 

@@ -40,6 +40,7 @@ from loadtest.summary import (
     slot_count,
     total,
 )
+from serve_app.request import GenerationParams
 
 MiB = 1 << 20
 
@@ -179,19 +180,33 @@ def test_apply_overrides_sets_dotted_keys_without_touching_the_input() -> None:
 # --- request bodies -------------------------------------------------------------------------
 
 
-def _fake_tokens(texts: list[str]) -> list[int]:
-    return [len(t.split()) + 2 for t in texts]  # the fake engine's count
+LOAD_TEST_LIMITS = {"max_inputs": 8, "max_input_tokens": 256, "max_tokens": 128}
 
 
 def test_bodies_stay_within_the_load_test_limits() -> None:
+    from deployments.engines.words import WordFrontEnd
+    from serve_app.config import parse_args
+    from serve_app.kinds import build_request
+
+    args = parse_args({"model": {"task": "fake"}, "limits": LOAD_TEST_LIMITS})
+    front = WordFrontEnd(2048)  # the fake engine's: words + 2 special tokens
+
+    def shape(body: dict) -> tuple[int, int, int]:
+        kind, texts, params = payloads.request_of(body)
+        ids = front.tokenize(texts)  # build_request refuses what exceeds a limit
+        request = build_request(kind, ids, params, False, args, front.max_seq_tokens)
+        return len(ids), max(request.token_counts), params.max_tokens if params else 0
+
     rng = random.Random(1)
     for kind, make in payloads.BODIES.items():
         for _ in range(200):
-            inputs, longest, new = payloads.shape_of(make(rng), _fake_tokens)
+            inputs, longest, new = shape(make(rng))
             assert 1 <= inputs <= 8 and 1 <= longest <= 256 and 0 <= new <= 128, kind
-    assert payloads.shape_of({"input": "a b c"}, _fake_tokens) == (1, 5, 0)
-    assert payloads.shape_of({"input": ["a", "a b c d"]}, _fake_tokens) == (2, 6, 0)
-    assert payloads.shape_of({"prompt": "a b", "max_tokens": 40}, _fake_tokens) == (1, 4, 40)
+    assert shape({"input": "a b c"}) == (1, 5, 0)
+    assert shape({"input": ["a", "a b c d"]}) == (2, 6, 0)
+    assert shape({"prompt": "a b", "max_tokens": 40}) == (1, 4, 40)
+    assert payloads.request_of({"prompt": "a b", "max_tokens": 40, "temperature": 0}) == \
+        ("generate", ["a b"], GenerationParams(max_tokens=40, temperature=0.0))
 
 
 def test_long_bodies_are_long_and_seeded() -> None:

@@ -1,4 +1,7 @@
-"""plan_deployment: max_ongoing_requests from a measured profile, else the analytic estimate."""
+"""plan_deployment: max_ongoing_requests from a measured profile, else the analytic estimate.
+
+The engine of each config comes from the registry (:func:`engine_class`), as in ``build_app``.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from deployments.engines.registry import engine_class
+from serve_app import planning
 from serve_app.config import AppArgs, parse_args
 from serve_app.memory.budget import InsufficientMemoryError
 from serve_app.memory.cost_model import (
@@ -20,11 +25,9 @@ from serve_app.memory.profiler import MemoryProfile, ProfilePoint
 from serve_app.planning import (
     FALLBACK_MAX_RUNNING,
     MAX_ONGOING_REQUESTS_CAP,
+    DeploymentPlan,
     gpu_share_for,
     max_running_requests,
-    p95_request_shapes,
-    plan_deployment,
-    plan_from_profile,
 )
 
 MiB = 1 << 20
@@ -32,6 +35,18 @@ GiB = 1 << 30
 # 1 MiB per request + 1 KiB per input token: a P95 request of 8 x 128 tokens costs 2 MiB.
 COST_MODEL = FittedCostModel(("const", "batch_tokens"), (float(MiB), 1024.0), 0.05)
 P95_PRICE = MiB + 1024 * 8 * 128
+
+
+def plan_deployment(args: AppArgs) -> DeploymentPlan:
+    return planning.plan_deployment(args, engine_class(args))
+
+
+def plan_from_profile(args: AppArgs, profile: MemoryProfile, **options) -> DeploymentPlan:
+    return planning.plan_from_profile(args, profile, engine_class(args).kinds, **options)
+
+
+def p95_request_shapes(args: AppArgs) -> list[tuple[int, int, int]]:
+    return planning.p95_request_shapes(args, engine_class(args).kinds)
 
 
 def packaged_model_path() -> str:

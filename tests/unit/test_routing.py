@@ -15,12 +15,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from serve_app.memory.cost_model import Shape
+from serve_app.replica_state import ROUTING_MEASURED_AT_KEY as MEASURED_AT_KEY
+from serve_app.request import InferenceRequest
 from serve_app.routing import (
-    ESTIMATED_BYTES_KWARG,
-    MEASURED_AT_KEY,
     BudgetRouterState,
     ReplicaStats,
-    estimated_bytes_from_kwargs,
+    estimated_bytes_of,
     headroom_bytes,
     rank_replicas,
 )
@@ -219,13 +220,18 @@ def test_missing_or_malformed_figures_are_unknown(report: dict | None) -> None:
     assert headroom_bytes(stats, 0) is None
 
 
-def test_estimated_bytes_come_from_the_handle_call_keyword() -> None:
-    assert ESTIMATED_BYTES_KWARG == "estimated_bytes"
-    assert estimated_bytes_from_kwargs({"estimated_bytes": 1234}) == 1234
-    assert estimated_bytes_from_kwargs({"estimated_bytes": 12.9}) == 12
-    for kwargs in (None, {}, {"estimated_bytes": None}, {"estimated_bytes": -1},
-                   {"estimated_bytes": True}, {"estimated_bytes": "1"}):
-        assert estimated_bytes_from_kwargs(kwargs) is None
+def priced(nbytes: object) -> InferenceRequest:
+    """A request as the ingress sends it, carrying ``nbytes`` as its price."""
+    return InferenceRequest("embed", ((1, 2),), Shape(1, 2, 0), estimated_bytes=nbytes)
+
+
+def test_estimated_bytes_come_from_the_request_value() -> None:
+    assert estimated_bytes_of([priced(1234)]) == 1234
+    assert estimated_bytes_of(["something else", priced(1234)]) == 1234
+    assert estimated_bytes_of([priced(12.9)]) == 12
+    for args in (None, [], ["payload"], [priced(None)], [priced(-1)], [priced(True)],
+                 [priced("1")]):
+        assert estimated_bytes_of(args) is None
 
 
 # --- properties ------------------------------------------------------------------------------
@@ -311,8 +317,7 @@ def _router(replicas: list[StatsReplica], node_id: str | None = None):
 def _request(internal_id: str, nbytes: int | None):
     from ray.serve.request_router import PendingRequest
 
-    kwargs = {} if nbytes is None else {ESTIMATED_BYTES_KWARG: nbytes}
-    return PendingRequest(args=["payload"], kwargs=kwargs, metadata=common.RequestMetadata(
+    return PendingRequest(args=[priced(nbytes)], kwargs={}, metadata=common.RequestMetadata(
         request_id=internal_id, internal_request_id=internal_id))
 
 

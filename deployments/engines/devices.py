@@ -1,0 +1,37 @@
+"""The replica's real device: which one it is, its dtype, and the probe that measures it."""
+
+from __future__ import annotations
+
+import torch
+
+from serve_app.config import AppArgs
+from serve_app.memory.probes import CudaMemoryProbe, DeviceProbe, HostMemoryProbe
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when CUDA is usable in this process, else ``cpu``.
+
+    Raises:
+        RuntimeError: ``cuda`` was asked for but is not available.
+    """
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("model.device is 'cuda' but CUDA is not available to this replica")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """``auto`` -> float16 on CUDA, float32 on CPU."""
+    if dtype == "auto":
+        return "float16" if device == "cuda" else "float32"
+    return dtype
+
+
+def make_probe(device: str, args: AppArgs) -> DeviceProbe:
+    """The probe for ``device`` (``cpu`` or ``cuda``), sized by the config: a GPU replica
+    measures its ``num_gpus`` share of the card."""
+    if device == "cuda":
+        return CudaMemoryProbe(share=args.deployment.num_gpus or 1.0,
+                               capacity_override_bytes=args.memory.capacity_bytes)
+    return HostMemoryProbe(args.memory.capacity_bytes, args.memory.host_fraction)

@@ -1,0 +1,54 @@
+"""Which engine serves a model: the one place an engine is chosen by name.
+
+``model.engine`` (or, when it is empty, ``model.task``) is a registered name from
+:data:`BUILTIN_ENGINES`, or your own engine class as ``package.module:ClassName``: a subclass
+of :class:`deployments.engines.base.Engine` importable on every node (installed, or on the
+Python path the driver gives Ray's workers). Modules are imported only when asked for, so
+choosing the fake engine loads no torch model code.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from deployments.engines.base import Engine
+from serve_app.config import AppArgs, config_error
+from serve_app.kinds import KINDS
+
+BUILTIN_ENGINES = {
+    "embed": "deployments.engines.embeddings:EmbeddingEngine",
+    "generate": "deployments.engines.generation:GenerationEngine",
+    "fake": "deployments.engines.fake:FakeEngine",
+}
+"""Registered engine names and the classes they stand for."""
+
+
+def engine_class(args: AppArgs) -> type[Engine]:
+    """The engine class ``args`` name, checked against ``args``
+    (:meth:`~deployments.engines.base.Engine.check_args`).
+
+    Raises:
+        serve_app.config.ConfigError: an unknown name, a class that cannot be imported, is
+            not an :class:`Engine` or serves an unknown request kind, or ``args`` the engine
+            refuses (the message names the key).
+    """
+    name = args.model.engine_name
+    key = "model.engine" if args.model.engine else "model.task"
+    path = BUILTIN_ENGINES.get(name, name)
+    module_name, _, attribute = path.partition(":")
+    if not module_name or not attribute:
+        raise config_error(key, f"unknown engine {name!r}: use one of "
+                           f"{sorted(BUILTIN_ENGINES)} or package.module:ClassName")
+    try:
+        cls = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise config_error(key, f"cannot import the engine {path}: {exc}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Engine)):
+        raise config_error(key, f"{path} is not a subclass of "
+                           "deployments.engines.base.Engine")
+    unknown = [kind for kind in cls.kinds if kind not in KINDS] if cls.kinds else ["none"]
+    if unknown:
+        raise config_error(key, f"{path} serves request kinds {list(cls.kinds)}; each must be "
+                           f"one of {sorted(KINDS)}")
+    cls.check_args(args)
+    return cls

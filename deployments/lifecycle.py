@@ -1,0 +1,208 @@
+"""One request's life on a model replica: admit -> batch -> run, and the lease given back in
+exactly one ``finally``.
+
+:meth:`RequestLifecycle.infer` and :meth:`RequestLifecycle.infer_stream` both hold their
+request's lease through :meth:`RequestLifecycle._lease`: it prices the request (the one rule,
+:mod:`serve_app.pricing`, with the replica's own cost model), waits for a lease from the
+admission gate, and on every way out (result, error, timeout, cancellation, a streaming
+client that left) gives the lease back through
+:meth:`~serve_app.admission.ticket.Ticket.release_when_free`: at once if the device never
+took the request up, else when the inference thread is done with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from functools import partial
+from typing import Any
+
+from deployments.batching import RequestBatcher
+from deployments.device_health import DeviceHealth, draining_error
+from deployments.inference import InferenceThread
+from deployments.request_log import RequestLog
+from serve_app.admission.budget import Lease
+from serve_app.admission.controller import Admission, AdmissionController
+from serve_app.admission.ticket import Ticket
+from serve_app.config import AppArgs
+from serve_app.errors import InvalidRequestError, ModelNotFoundError, ServeAppError
+from serve_app.kinds import KINDS
+from serve_app.metrics import ProcessMetrics
+from serve_app.pricing import Pricer, shape_bytes
+from serve_app.request import InferenceRequest
+from serve_app.schemas import Admitted, InferenceResult
+
+
+class RequestLifecycle:
+    """Admits, batches and runs one replica's requests.
+
+    Args:
+        engine: the loaded engine (its kinds, context and runners).
+        gate: the admission controller.
+        pricer: the replica's prices (its corrected cost model, its policy's units).
+        thread: the inference thread.
+        batcher: the batcher, or ``None`` (``batching.enabled: false``).
+        health: the device health (faults refuse requests).
+        args: the config (model name, limits, timeouts).
+        metrics, log: the replica's metrics and request log.
+        replica_id: the replica's id (in results).
+        request_id: the current request's id, for logs (Ray Serve's request context).
+    """
+
+    def __init__(self, engine: Any, gate: AdmissionController, pricer: Pricer,
+                 thread: InferenceThread, batcher: RequestBatcher | None,
+                 health: DeviceHealth, args: AppArgs, metrics: ProcessMetrics,
+                 log: RequestLog, replica_id: str = "local",
+                 request_id: Callable[[], str] = lambda: "") -> None:
+        self._engine, self._gate, self._pricer = engine, gate, pricer
+        self._thread, self._batcher, self._health = thread, batcher, health
+        self._args, self._metrics, self._log = args, metrics, log
+        self._replica_id, self._request_id = replica_id, request_id
+
+    async def infer(self, request: InferenceRequest) -> InferenceResult:
+        """Run ``request`` once admitted; batched with others where its ``batch_key`` allows.
+
+        Raises:
+            ModelNotFoundError: the engine does not serve the request's kind (404).
+            InvalidRequestError: the request is larger than its priced shape or the limits.
+            RequestTooLargeError, OverloadedError: from admission (400, 503).
+            InferenceTimeoutError: inference ran past ``admission.inference_timeout_s`` (504).
+            OverloadedError: ``oom``, or ``draining`` after a device fault, including output
+                with NaN/Inf (503).
+        """
+        self._accept(request)
+        async with self._lease(request) as ticket:
+            if self._batcher is not None:
+                output = await self._batcher.run(ticket)
+            else:
+                [output] = await self._thread.run(
+                    [ticket], partial(self._engine.run_batch, [request]))
+            if not output.finite():
+                self._health.mark_device_fault("an output came out NaN/Inf")
+                raise draining_error()
+            return InferenceResult(output, self._admitted(ticket), self._replica_id)
+
+    async def infer_stream(self, request: InferenceRequest) -> AsyncIterator[dict[str, Any]]:
+        """Stream a request: first ``{"admitted": Admitted}`` once the lease is held, then
+        ``{"text": piece}`` items, then ``{"finish_reason", "prompt_tokens",
+        "completion_tokens"}``. Errors before the first item are :meth:`infer`'s; an error
+        after it (e.g. ``InferenceTimeoutError``) ends the stream by raising.
+
+        When the consumer goes away, generation stops at the next token and the lease is
+        released once the inference thread has returned.
+        """
+        self._accept(request)
+        async with self._lease(request) as ticket:
+            try:
+                yield {"admitted": self._admitted(ticket)}
+            except BaseException:
+                self._metrics.inc("admission_decisions", outcome="cancelled",
+                                  reason="client_gone")
+                raise
+            async for item in self._stream(ticket):
+                yield item
+
+    @contextlib.asynccontextmanager
+    async def _lease(self, request: InferenceRequest) -> AsyncIterator[Ticket]:
+        """The request's ticket, from admission to the one place its lease goes back."""
+        ticket = Ticket(request, await self._admit(request))
+        try:
+            yield ticket
+        finally:
+            ticket.release_when_free(partial(self._give_back, ticket))
+
+    def _give_back(self, ticket: Ticket, lease: Lease, *, ran: bool) -> None:
+        self._gate.release(lease, ran=ran)
+        self._log.event("lease released", lease.nbytes, ticket.admission.request_id, ran=ran,
+                        batch=ticket.batch)
+
+    def _accept(self, request: InferenceRequest) -> None:
+        """The replica stays the authority: a request of a kind it does not serve, or whose
+        priced shape does not cover it, is refused before it is priced."""
+        if request.kind not in self._engine.kinds:
+            raise ModelNotFoundError(
+                f"model {self._args.model.name!r} does not serve {request.kind}")
+        kind, counts, shape = KINDS[request.kind], request.token_counts, request.shape
+        max_seq = self._engine.max_seq_tokens
+        kind.check_tokens(counts, request.params,
+                          min(self._args.limits.max_input_tokens, max_seq), max_seq)
+        if (shape.inputs != len(counts) or shape.prompt_tokens < max(counts)
+                or shape.new_tokens < kind.new_tokens(request.params)):
+            raise InvalidRequestError(f"the request is priced at {tuple(shape)} (inputs, "
+                                      "tokens, new tokens), smaller than it is", code="shape")
+
+    async def _admit(self, request: InferenceRequest) -> Admission:
+        """A lease for ``request``'s priced shape. Refusals are counted here (the admission
+        is counted once the inference thread takes the request up: :mod:`.inference`). The
+        time since ``sent_at_s`` (wall clock, the ingress's; clamped at 0) counts as queue
+        wait already spent.
+
+        Raises: as :meth:`AdmissionController.acquire`; ``draining`` after a device fault.
+        """
+        try:
+            if self._health.device_fault is not None:
+                raise draining_error()
+            shape = request.shape
+            request_bytes = shape_bytes(self._pricer.cost_model, shape)
+            self._log.event("arrived", request_bytes, batch=shape.inputs,
+                            prompt_tokens=shape.prompt_tokens, new_tokens=shape.new_tokens)
+            sent_at_s = request.sent_at_s
+            waited_s = 0.0 if sent_at_s is None else max(0.0, time.time() - sent_at_s)
+            admission = await self._gate.acquire(self._pricer.policy.units(request_bytes),
+                                                 waited_s)
+            # Kept with the lease: a batch runs outside this request's logging context.
+            return Admission(admission.lease, admission.queue_wait_s,
+                             admission.queue_position, self._request_id() or "")
+        except ServeAppError as exc:
+            self._metrics.inc("admission_decisions", outcome="rejected", reason=exc.code)
+            raise
+        except asyncio.CancelledError:
+            self._metrics.inc("admission_decisions", outcome="cancelled", reason="client_gone")
+            raise
+
+    async def _stream(self, ticket: Ticket) -> AsyncIterator[dict[str, Any]]:
+        """Run ``ticket``'s request on the thread, its text pieces as they come."""
+        loop = asyncio.get_running_loop()
+        pieces: asyncio.Queue[str] = asyncio.Queue()
+        consumer_gone = threading.Event()
+
+        def on_text(piece: str) -> bool:  # runs on the inference thread
+            if consumer_gone.is_set():
+                return False
+            loop.call_soon_threadsafe(pieces.put_nowait, piece)
+            return True
+
+        future, job = self._thread.start(
+            [ticket], partial(self._engine.run_stream, ticket.request, on_text))
+        try:
+            await self._thread.wait_started(future, job, [ticket])
+            deadline = loop.time() + self._args.admission.inference_timeout_s
+            while not future.done():
+                getter = asyncio.ensure_future(pieces.get())
+                done, _ = await asyncio.wait({getter, future}, timeout=deadline - loop.time(),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if getter in done:
+                    yield {"text": getter.result()}
+                    continue
+                getter.cancel()
+                if not done:
+                    raise self._thread.timeout_error()
+            while not pieces.empty():  # pieces put before the thread returned
+                yield {"text": pieces.get_nowait()}
+            try:
+                output = future.result()
+            except RuntimeError as exc:
+                raise self._health.error_for(exc, ticket.lease.nbytes) from None
+            yield {"finish_reason": output.finish_reason,
+                   "prompt_tokens": ticket.request.prompt_tokens,
+                   "completion_tokens": output.completion_tokens}
+        finally:
+            consumer_gone.set()
+
+    @staticmethod
+    def _admitted(ticket: Ticket) -> Admitted:
+        """Queue wait = waiting for the lease + for a pass and the inference thread."""
+        return Admitted(ticket.queue_wait_s, ticket.admission.queue_position)

@@ -1,0 +1,127 @@
+"""The ingress's client of the model deployment: one handle call per request, its wait for a
+replica bounded, and every failure on the way turned into a typed error with ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+
+from deployments.http_errors import as_serve_app_error
+from deployments.replica_view import ReplicaView
+from serve_app.errors import OverloadedError, ServeAppError
+from serve_app.metrics import ProcessMetrics
+from serve_app.request import InferenceRequest
+from serve_app.schemas import InferenceResult
+
+
+class ModelClient:
+    """Sends validated requests to the model replicas.
+
+    Args:
+        model: handle to :class:`deployments.model_server.ModelServer`.
+        replicas: the ingress's view of the replicas (prices, ``Retry-After``).
+        max_queue_wait_s: ``admission.max_queue_wait_s``, the longest wait for a replica.
+        metrics: the ingress's metrics (refusals decided here).
+    """
+
+    def __init__(self, model: DeploymentHandle, replicas: ReplicaView, max_queue_wait_s: float,
+                 metrics: ProcessMetrics) -> None:
+        self._model, self._replicas = model, replicas
+        self._max_queue_wait_s, self._metrics = max_queue_wait_s, metrics
+
+    async def infer(self, request: InferenceRequest) -> InferenceResult:
+        """Run ``request`` on a replica (``ModelServer.infer``).
+
+        Raises:
+            ServeAppError: the replica's typed errors, and Ray's refusals as 503 (see
+                :meth:`call`).
+        """
+        response = self._model.infer.remote(await self._priced(request))
+        await self._wait_for_a_replica(response)
+        return await self.call(lambda: response)
+
+    async def stream(self, request: InferenceRequest,
+                     ) -> tuple[dict[str, Any], AsyncIterator[dict[str, Any]]]:
+        """Start streaming ``request`` (``ModelServer.infer_stream``): its first item (the
+        admission, so that admission errors come before any byte is sent) and the rest.
+        Cancel the rest (``aclose``) when the client leaves.
+
+        Raises: as :meth:`infer`, before the first item.
+        """
+        stream = self._model.options(stream=True).infer_stream.remote(
+            await self._priced(request))
+        await self._wait_for_a_replica(stream)
+        first = await self.call(lambda: stream.__anext__())
+
+        async def rest() -> AsyncIterator[dict[str, Any]]:
+            try:
+                async for item in stream:
+                    yield item
+            finally:
+                stream.cancel()
+
+        return first, rest()
+
+    async def _priced(self, request: InferenceRequest) -> InferenceRequest:
+        """``request`` with the router's price and the time it is sent (the replica counts
+        the time it spends reaching it as queue wait)."""
+        return request.sent(await self._replicas.estimate(request.shape), time.time())
+
+    async def _wait_for_a_replica(self, response: Any) -> None:
+        """Wait until Ray Serve has handed ``response``'s request to a replica, at most
+        ``admission.max_queue_wait_s``. Requests wait in the handle's queue while every
+        replica has ``max_ongoing_requests`` in flight; Ray bounds that queue's length
+        (``max_queued_requests``) but not its time, so the wait is bounded here, and the
+        replica counts it against the same limit (``sent_at_s``): an admitted request waits
+        ``max_queue_wait_s`` at most in all. Past it the request is cancelled: 503
+        ``queue_timeout`` with ``Retry-After``. Other failures (back-pressure, no replica)
+        are left to surface when the response is awaited.
+
+        Uses ``DeploymentResponse._fetch_future_result_async`` (Ray Serve 2.60, pinned): it
+        resolves once a replica was chosen and the request sent, which no public API tells.
+        """
+        assigned = asyncio.ensure_future(response._fetch_future_result_async())
+        try:
+            done, _ = await asyncio.wait({assigned}, timeout=self._max_queue_wait_s)
+        except asyncio.CancelledError:  # the client left: so does the request
+            assigned.cancel()
+            response.cancel()
+            raise
+        if done:
+            if not assigned.cancelled():
+                assigned.exception()  # retrieved here; awaiting the response raises it again
+            return
+        assigned.cancel()
+        response.cancel()
+        self._metrics.inc("admission_decisions", outcome="rejected", reason="queue_timeout")
+        raise OverloadedError(
+            f"waited {self._max_queue_wait_s:g} s for a model replica to accept the request",
+            code="queue_timeout", retry_after_s=await self._replicas.retry_after_s())
+
+    async def call(self, method: Callable[..., Awaitable[Any]] | Any, *args: Any,
+                   **kwargs: Any) -> Any:
+        """Call ``method`` (a deployment handle's method, or any coroutine function); any
+        failure leaves as a typed error (Ray's back-pressure and unavailability included), so
+        FastAPI's handlers render it."""
+        try:
+            call = (method.remote(*args, **kwargs) if hasattr(method, "remote")
+                    else method(*args, **kwargs))
+            return await call
+        except ServeAppError:
+            raise
+        except BackPressureError:
+            self._metrics.inc("admission_decisions", outcome="rejected", reason="queue_full")
+            raise OverloadedError("every model replica is busy and its queue is full",
+                                  code="queue_full",
+                                  retry_after_s=await self._replicas.retry_after_s()) from None
+        except Exception as exc:
+            err = as_serve_app_error(exc)
+            if err.code == "no_replicas":  # refused before any replica could decide
+                self._metrics.inc("admission_decisions", outcome="rejected", reason=err.code)
+            raise err from None

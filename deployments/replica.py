@@ -1,0 +1,109 @@
+"""One model replica's parts, assembled: what :class:`deployments.model_server.ModelServer`
+holds behind Ray Serve's hooks, and what tests run without Ray.
+
+Parts, each handed to the next through its constructor: the admission policy
+(:func:`serve_app.admission.policy.make_policy`) and gate
+(:class:`~serve_app.admission.controller.AdmissionController`); the prices
+(:class:`~serve_app.pricing.Pricer` over the OOM-corrected cost model); the device health
+(:class:`~deployments.device_health.DeviceHealth`); the inference thread
+(:class:`~deployments.inference.InferenceThread`); the batcher
+(:class:`~deployments.batching.RequestBatcher`); and the request lifecycle
+(:class:`~deployments.lifecycle.RequestLifecycle`) that drives them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from deployments.batching import RequestBatcher
+from deployments.device_health import DeviceHealth
+from deployments.engines.base import Engine
+from deployments.inference import InferenceThread
+from deployments.lifecycle import RequestLifecycle
+from deployments.request_log import RequestLog
+from serve_app.admission.controller import AdmissionController
+from serve_app.admission.policy import make_policy
+from serve_app.config import AppArgs
+from serve_app.memory.cost_model import CorrectedCostModel, CostModel
+from serve_app.memory.probes import DeviceProbe
+from serve_app.metrics import ProcessMetrics
+from serve_app.pricing import Pricer
+from serve_app.replica_state import GateFigures, ReplicaState
+
+
+@dataclass(frozen=True)
+class ReplicaIdentity:
+    """What a replica's state says of where it runs and what it measured at start-up."""
+
+    replica_id: str = "local"
+    node_id: str = ""
+    gpu_ids: tuple[str, ...] = ()
+    memory: Mapping[str, Any] | None = None
+
+
+class Replica:
+    """A model replica without Ray (see module docstring).
+
+    Args:
+        engine: the loaded engine.
+        probe: its device probe.
+        cost_model: the profile's fitted cost model.
+        budget_bytes: the measured budget.
+        args: the config.
+        executor: the single-thread executor inference runs on.
+        metrics: the replica's metrics.
+        identity: where it runs (for its state).
+        request_id: the current request's id, for logs.
+
+    Build it on the replica's event loop (the batcher starts its task there).
+    """
+
+    def __init__(self, engine: Engine, probe: DeviceProbe, cost_model: CostModel,
+                 budget_bytes: int, args: AppArgs, executor: ThreadPoolExecutor,
+                 metrics: ProcessMetrics, identity: ReplicaIdentity = ReplicaIdentity(),
+                 request_id: Callable[[], str] = lambda: "") -> None:
+        adm = args.admission
+        self.args, self.engine, self.probe, self.identity = args, engine, probe, identity
+        self.metrics = metrics
+        self.cost_model = CorrectedCostModel(cost_model)
+        self.policy = make_policy(adm, budget_bytes)
+        self.gate = AdmissionController(self.policy.capacity_units, adm.max_queue_len,
+                                        adm.max_queue_wait_s)
+        self.health = DeviceHealth(engine, probe, self.gate, self.policy, self.cost_model,
+                                   adm, metrics)
+        self.log = RequestLog(identity.replica_id, probe)
+        self.thread = InferenceThread(executor, probe, self.health, self.gate, adm, metrics,
+                                      self.log)
+        pricer = Pricer(self.cost_model, self.policy)
+        self.batcher = RequestBatcher(self.thread, engine, pricer, args.batching) \
+            if args.batching.enabled else None
+        self.lifecycle = RequestLifecycle(engine, self.gate, pricer, self.thread,
+                                          self.batcher, self.health, args, metrics, self.log,
+                                          identity.replica_id, request_id)
+
+    def state(self) -> ReplicaState:
+        """This replica's state now (``GET /v1/status``, routing and autoscaling stats)."""
+        budget, queue, policy = self.gate.budget, self.gate.queue, self.policy
+        gate = GateFigures(
+            budget.budget_bytes, budget.reserved_bytes, budget.peak_reserved_bytes,
+            budget.free_bytes, budget.active_leases, queue.queue_depth, queue.queued_bytes,
+            budget.charged_bytes_total, budget.released_bytes_total, queue.drain.bytes_per_s())
+        identity, args = self.identity, self.args
+        return ReplicaState(
+            identity.replica_id, identity.node_id, identity.gpu_ids,
+            args.deployment.num_gpus, args.model.name, args.model.engine_name,
+            tuple(self.engine.kinds), policy.name, policy.gate_units,
+            identity.memory or {}, self.cost_model.published(), gate,
+            self.health.figures(self.thread.running, self.thread.total), policy.budget_bytes,
+            policy.measured_budget_bytes, policy.shrink_count, policy.regrow_count,
+            time.time())
+
+    def close(self) -> None:
+        """Stop batching and the thread (replica shutdown)."""
+        if self.batcher is not None:
+            self.batcher.close()
+        self.thread.shutdown()

@@ -1,0 +1,71 @@
+"""The ingress's view of the model replicas: their published states, cached briefly, and what
+the ingress derives from them (a request's price for the router, a cluster-wide
+``Retry-After``, readiness)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from ray.serve.handle import DeploymentHandle
+
+from deployments.http_errors import as_serve_app_error
+from serve_app.admission.drain import retry_after_s
+from serve_app.memory.cost_model import Shape
+from serve_app.pricing import UnitsPolicy, estimate_units
+from serve_app.replica_state import ReplicaState
+
+logger = logging.getLogger("ray.serve")
+
+STATUS_CACHE_S = 0.5
+"""How old a snapshot may be: refusals under load must not flood the registry."""
+
+
+class ReplicaView:
+    """The registry's snapshot of the model replicas' states, at most ``STATUS_CACHE_S`` old.
+
+    Args:
+        registry: handle to :class:`deployments.registry.ReplicaRegistry`.
+        policy: the admission policy's class (prices in its units).
+        fallback_retry_after_s: ``Retry-After`` while no drain rate is measured
+            (``admission.max_queue_wait_s``).
+        clock: monotonic seconds.
+    """
+
+    def __init__(self, registry: DeploymentHandle, policy: UnitsPolicy,
+                 fallback_retry_after_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._registry, self._policy = registry, policy
+        self._fallback_s, self._clock = fallback_retry_after_s, clock
+        self._states: list[ReplicaState] = []
+        self._taken_at = -float("inf")
+
+    async def states(self) -> list[ReplicaState]:
+        """Every live model replica's last published state (``[]`` while the registry is
+        unavailable: no replicas, not a 500)."""
+        now = self._clock()
+        if now - self._taken_at >= STATUS_CACHE_S:
+            try:
+                self._states = await self._registry.snapshot.remote()
+            except Exception as exc:  # the registry restarting
+                logger.warning("replica registry unavailable: %s",
+                               as_serve_app_error(exc).message)
+                self._states = []
+            self._taken_at = now
+        return self._states
+
+    async def estimate(self, shape: Shape) -> int | None:
+        """A request of ``shape``'s price for the budget-aware router: what the replicas'
+        published cost models charge (:func:`serve_app.pricing.estimate_units`, the largest
+        over replicas), ``None`` while none has published one."""
+        return estimate_units([s.cost_model for s in await self.states()], shape,
+                              self._policy)
+
+    async def retry_after_s(self) -> int:
+        """``Retry-After`` for a request refused before reaching a replica: the bytes queued
+        on all replicas over their summed measured drain rate."""
+        states = await self.states()
+        queued = sum(s.gate.queued_bytes for s in states)
+        rate = sum(s.gate.drain_bytes_per_s or 0.0 for s in states)
+        return retry_after_s(queued, rate, fallback_s=self._fallback_s)

@@ -1,0 +1,186 @@
+"""Request kinds: what each route asks of a model, and how its size is read.
+
+A kind names one route's request (``embed``: ``/v1/embeddings``; ``generate``:
+``/v1/completions``) and owns what depends on it alone: its limits, which requests of it may
+share a forward pass, the shape it is priced at, the largest and the P95 shape the limits
+allow (the profile's ladder and the plan's estimate), and whether a forward pass of it fits
+the model's context. Engines say which kinds they serve (:mod:`deployments.engines`); a new
+kind is a new class here plus a route, registered in :data:`KINDS`.
+
+Pure: no Ray, torch or FastAPI.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+from serve_app.config import AppArgs, BatchingConfig, LimitsConfig
+from serve_app.errors import InvalidRequestError
+from serve_app.memory.cost_model import Shape
+from serve_app.pricing import priced_tokens
+from serve_app.request import GenerationParams, InferenceRequest
+
+
+def _check_tokens(tokens: int, limit: int, what: str, code: str) -> None:
+    if tokens > limit:
+        raise InvalidRequestError(f"{what} has {tokens} tokens; the limit is {limit}",
+                                  code=code)
+
+
+class RequestKind:
+    """What one kind of request asks of a model (see module docstring)."""
+
+    name: ClassVar[str]
+    generates: ClassVar[bool] = False  # its requests ask for new tokens (a KV cache)
+
+    def check_inputs(self, inputs: int, params: GenerationParams | None,
+                     limits: LimitsConfig) -> None:
+        """Checks that need no tokens (before tokenizing). Raises InvalidRequestError."""
+
+    def check_tokens(self, token_counts: Sequence[int], params: GenerationParams | None,
+                     max_input_tokens: int, max_seq_tokens: int) -> None:
+        """Checks of the token counts. Raises InvalidRequestError naming the field."""
+        raise NotImplementedError
+
+    def batch_key(self, inputs: int, params: GenerationParams | None, stream: bool,
+                  batching: BatchingConfig) -> tuple | None:
+        """What requests must share to run in one pass, or ``None`` (it runs alone)."""
+        raise NotImplementedError
+
+    def new_tokens(self, params: GenerationParams | None) -> int:
+        """Tokens the request generates at most (0: none)."""
+        return 0
+
+    def largest_shape(self, limits: LimitsConfig, max_seq_tokens: int) -> Shape:
+        """The largest request the limits allow on a model of ``max_seq_tokens``."""
+        raise NotImplementedError
+
+    def p95_shape(self, args: AppArgs) -> Shape:
+        """A P95-sized request of the traffic (``deployment.p95_*``), for planning."""
+        raise NotImplementedError
+
+    def fits_context(self, prompt_tokens: int, new_tokens: int, max_seq_tokens: int) -> bool:
+        """Whether a pass padded to ``prompt_tokens`` generating ``new_tokens`` fits the
+        model's context."""
+        return prompt_tokens + new_tokens <= max_seq_tokens
+
+
+class EmbedKind(RequestKind):
+    """``POST /v1/embeddings``: 1..``limits.max_inputs`` inputs, embedded in one pass."""
+
+    name = "embed"
+
+    def check_inputs(self, inputs: int, params: GenerationParams | None,
+                     limits: LimitsConfig) -> None:
+        if inputs > limits.max_inputs:
+            raise InvalidRequestError(f"{inputs} inputs; the limit is {limits.max_inputs}",
+                                      code="input")
+
+    def check_tokens(self, token_counts: Sequence[int], params: GenerationParams | None,
+                     max_input_tokens: int, max_seq_tokens: int) -> None:
+        for i, n in enumerate(token_counts):
+            _check_tokens(n, max_input_tokens, f"input[{i}]", "input")
+
+    def batch_key(self, inputs: int, params: GenerationParams | None, stream: bool,
+                  batching: BatchingConfig) -> tuple | None:
+        if not batching.enabled or inputs > batching.max_batch_size:
+            return None
+        return (self.name,)
+
+    def largest_shape(self, limits: LimitsConfig, max_seq_tokens: int) -> Shape:
+        return Shape(limits.max_inputs, min(limits.max_input_tokens, max_seq_tokens), 0)
+
+    def p95_shape(self, args: AppArgs) -> Shape:
+        tokens = min(args.deployment.p95_input_tokens, args.limits.max_input_tokens)
+        return Shape(min(args.deployment.p95_inputs, args.limits.max_inputs), tokens, 0)
+
+
+class GenerateKind(RequestKind):
+    """``POST /v1/completions``: one prompt, priced with the ``max_tokens`` its KV cache
+    grows to. Batched with others of the same ``temperature`` and ``top_p`` when not
+    streamed and without stop strings or seed (one left-padded ``generate``)."""
+
+    name = "generate"
+    generates = True
+
+    def check_inputs(self, inputs: int, params: GenerationParams | None,
+                     limits: LimitsConfig) -> None:
+        assert params is not None
+        if params.max_tokens > limits.max_tokens:
+            raise InvalidRequestError(
+                f"max_tokens={params.max_tokens} exceeds the limit of {limits.max_tokens}",
+                code="max_tokens")
+
+    def check_tokens(self, token_counts: Sequence[int], params: GenerationParams | None,
+                     max_input_tokens: int, max_seq_tokens: int) -> None:
+        assert params is not None
+        [prompt_tokens] = token_counts
+        _check_tokens(prompt_tokens, max_input_tokens, "prompt", "prompt")
+        _check_tokens(prompt_tokens + params.max_tokens, max_seq_tokens,
+                      "prompt + max_tokens", "max_tokens")
+
+    def batch_key(self, inputs: int, params: GenerationParams | None, stream: bool,
+                  batching: BatchingConfig) -> tuple | None:
+        assert params is not None
+        if (not batching.enabled or not batching.completions or stream or params.stop
+                or params.seed is not None or inputs > batching.max_batch_size):
+            return None
+        return (self.name, params.temperature, params.top_p)
+
+    def new_tokens(self, params: GenerationParams | None) -> int:
+        assert params is not None
+        return params.max_tokens
+
+    def largest_shape(self, limits: LimitsConfig, max_seq_tokens: int) -> Shape:
+        prompt = min(limits.max_input_tokens, max_seq_tokens, max_seq_tokens - 1)
+        return Shape(1, prompt, min(limits.max_tokens, max_seq_tokens - prompt))
+
+    def p95_shape(self, args: AppArgs) -> Shape:
+        # A completion is charged for the max_tokens it asks for, and no knob says what the
+        # traffic asks: this is the most it may ask.
+        tokens = min(args.deployment.p95_input_tokens, args.limits.max_input_tokens)
+        return Shape(1, tokens, args.limits.max_tokens)
+
+
+KINDS: dict[str, RequestKind] = {kind.name: kind for kind in (EmbedKind(), GenerateKind())}
+"""Every request kind, by name."""
+
+
+def largest_shape(kinds: Sequence[str], limits: LimitsConfig, max_seq_tokens: int) -> Shape:
+    """The largest request the limits allow over ``kinds``: in each dimension the largest
+    of any kind, with the prompt no longer than a generating kind allows (so that its new
+    tokens still fit the context)."""
+    shapes = [KINDS[k].largest_shape(limits, max_seq_tokens) for k in kinds]
+    generating = [s for s in shapes if s.new_tokens]
+    prompt = min(s.prompt_tokens for s in generating) if generating else \
+        max(s.prompt_tokens for s in shapes)
+    return Shape(max(s.inputs for s in shapes), prompt, max(s.new_tokens for s in shapes))
+
+
+def build_request(kind: str, input_ids: Sequence[Sequence[int]],
+                  params: GenerationParams | None, stream: bool, args: AppArgs,
+                  max_seq_tokens: int) -> InferenceRequest:
+    """Validate a tokenized request and price it: the one place a request becomes an
+    :class:`InferenceRequest`. ``max_seq_tokens``: the model's context (tokens); inputs are
+    limited to ``min(limits.max_input_tokens, max_seq_tokens)``.
+
+    A batchable request is priced padded (:func:`serve_app.pricing.priced_tokens`) so that
+    requests of similar length share a pass within their leases.
+
+    Raises:
+        InvalidRequestError: a limit is exceeded (``code`` names the field).
+    """
+    spec = KINDS[kind]
+    limits = args.limits
+    spec.check_inputs(len(input_ids), params, limits)
+    max_input_tokens = min(limits.max_input_tokens, max_seq_tokens)
+    counts = [len(ids) for ids in input_ids]
+    spec.check_tokens(counts, params, max_input_tokens, max_seq_tokens)
+    key = spec.batch_key(len(counts), params, stream, args.batching)
+    batchable, pad = key is not None, args.batching.pad_to_multiple_of
+    new = spec.new_tokens(params)
+    shape = Shape(len(counts), priced_tokens(counts, batchable, pad, max_input_tokens),
+                  priced_tokens([new], batchable, pad, limits.max_tokens) if new else 0)
+    return InferenceRequest(kind, tuple(tuple(ids) for ids in input_ids), shape, params,
+                            stream, key)

@@ -1,0 +1,116 @@
+"""The validated request value, and what an engine answers for it.
+
+A request is validated, tokenized and priced once, where it enters the system (the ingress,
+as the front ends of vLLM and text-embeddings-inference do), and travels to the model replica
+as an :class:`InferenceRequest`: its kind, its inputs as token ids, its generation parameters
+and the shape it is priced at. The replica prices that shape with its own cost model (it stays
+the authority on admission) and the engine runs on the ids; nothing is tokenized twice.
+
+Pure: numpy only (no Ray, torch or FastAPI).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from serve_app.memory.cost_model import Shape
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """Sampling parameters of one completion (OpenAI names; validated by the ingress).
+
+    Attributes:
+        max_tokens: new tokens to generate at most (>= 1).
+        temperature: 0 = greedy (deterministic); > 0 samples.
+        top_p: nucleus sampling mass in (0, 1].
+        seed: makes sampling reproducible when set.
+        stop: strings that end the completion (not included in the text).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class InferenceRequest:
+    """One validated request, as the ingress hands it to a model replica.
+
+    Attributes:
+        kind: the request kind (:mod:`serve_app.kinds`: ``embed``, ``generate``), which
+            names the route it came from and what the engine does with it.
+        input_ids: token ids per input (embeddings) or of the one prompt (completions),
+            special tokens included, as the model sees them.
+        shape: the shape it is priced at (:func:`serve_app.kinds.build_request`): its
+            inputs, longest input and new tokens, padded where it may share a forward pass.
+        params: generation parameters (``generate``), else ``None``.
+        stream: the client reads the result as a stream of text pieces.
+        batch_key: requests with equal keys may share a forward pass; ``None``: it runs
+            alone.
+        estimated_bytes: the ingress's price of ``shape`` in the admission policy's units,
+            from the replicas' published cost model; read by the request router only
+            (``None`` before any replica has published one).
+        sent_at_s: when the ingress handed it to Ray Serve (``time.time()``); the time it
+            spends reaching a replica counts as queue wait.
+    """
+
+    kind: str
+    input_ids: tuple[tuple[int, ...], ...]
+    shape: Shape
+    params: GenerationParams | None = None
+    stream: bool = False
+    batch_key: tuple | None = None
+    estimated_bytes: int | None = None
+    sent_at_s: float | None = None
+
+    @property
+    def token_counts(self) -> list[int]:
+        """Tokens per input."""
+        return [len(ids) for ids in self.input_ids]
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens over all inputs (what ``usage.prompt_tokens`` reports)."""
+        return sum(self.token_counts)
+
+    def sent(self, estimated_bytes: int | None, sent_at_s: float) -> InferenceRequest:
+        """This request as it leaves the ingress: priced for the router, time-stamped."""
+        return replace(self, estimated_bytes=estimated_bytes, sent_at_s=sent_at_s)
+
+
+@dataclass(frozen=True)
+class EmbeddingOutput:
+    """What an engine answers for one ``embed`` request.
+
+    Attributes:
+        embeddings: float32, shape ``(inputs, dimensions)``, rows of unit L2 norm (or as the
+            model's pooling defines them).
+        prompt_tokens: tokens over all inputs.
+    """
+
+    embeddings: np.ndarray
+    prompt_tokens: int
+
+    def finite(self) -> bool:
+        """Whether every value is finite (NaN/Inf means a corrupted device)."""
+        return bool(np.isfinite(self.embeddings).all())
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    """A finished completion: its text, why it ended (``stop``, ``length`` or, when the
+    consumer left, ``cancelled``), token counts."""
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+    def finite(self) -> bool:
+        """Text carries no NaN: always ``True``."""
+        return True

@@ -1,0 +1,161 @@
+"""The shape of the code, held: lint clean, small files and functions, no kind or policy
+switched on by name outside its registry, no import cycles.
+
+Product code is ``serve_app/`` and ``deployments/``; tests, load tests and benchmarks are held
+to the lint and the import-cycle rule only.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PRODUCT = ("serve_app", "deployments")
+PACKAGES = (*PRODUCT, "loadtest", "benchmarks", "tests")
+MAX_FILE_LINES = 400
+MAX_FUNCTION_LINES = 50
+# The one place each is chosen by name.
+REGISTRIES = {"deployments/engines/registry.py", "serve_app/admission/policy.py"}
+ENGINE_AND_POLICY_NAMES = {"embed", "generate", "fake", "budget", "semaphore", "none", "pow2"}
+NAMED_ATTRIBUTES = {"task", "engine", "engine_name", "policy", "request_router"}
+
+
+def python_files(*packages: str) -> Iterator[Path]:
+    for package in packages:
+        yield from sorted((REPO / package).rglob("*.py"))
+
+
+def relative(path: Path) -> str:
+    return path.relative_to(REPO).as_posix()
+
+
+def test_ruff_finds_nothing() -> None:
+    """pyflakes, pycodestyle, import order, pyupgrade, bugbear and (product code)
+    complexity <= 10, as configured in pyproject.toml."""
+    done = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(REPO)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_product_files_and_functions_are_small() -> None:
+    too_long = []
+    for path in python_files(*PRODUCT):
+        source = path.read_text()
+        if (lines := len(source.splitlines())) > MAX_FILE_LINES:
+            too_long.append(f"{relative(path)}: {lines} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    too_long.append(f"{relative(path)}:{node.lineno} {node.name}: "
+                                    f"{length} lines")
+    assert not too_long
+
+
+def _named_comparisons(tree: ast.AST) -> Iterator[ast.Compare]:
+    """Comparisons of a kind, engine or policy by name: with one of their names as a string
+    constant, or of an attribute such as ``.task`` / ``.policy`` against anything."""
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        constants = {n.value for side in sides for n in ast.walk(side)
+                     if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+        attributes = {side.attr for side in sides if isinstance(side, ast.Attribute)}
+        if constants & ENGINE_AND_POLICY_NAMES or attributes & NAMED_ATTRIBUTES:
+            yield node
+
+
+def test_no_kind_engine_or_policy_is_switched_on_by_name_outside_its_registry() -> None:
+    found = [f"{relative(path)}:{node.lineno}: {ast.unparse(node)}"
+             for path in python_files(*PRODUCT) if relative(path) not in REGISTRIES
+             for node in _named_comparisons(ast.parse(path.read_text()))]
+    assert not found
+
+
+def test_the_name_check_would_see_a_switch() -> None:
+    tree = ast.parse("if args.model.task == 'fake': pass\nif policy.name != 'budget': pass\n"
+                     "if kind in ('embed', 'generate'): pass\nif args.model.engine == wanted: pass")
+    assert len(list(_named_comparisons(tree))) == 4
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every project module -> the project modules it imports (anywhere in it, functions
+    included: a lazy import is still a dependency)."""
+    modules = {_module_name(p): p for p in python_files(*PACKAGES)}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]
+                                    + ([base] if base else []))
+                targets.add(base)
+                targets |= {f"{base}.{alias.name}" for alias in node.names}
+        graph[name] = {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for successor in graph[node]:
+            if successor not in index:
+                visit(successor)
+                low[node] = min(low[node], low[successor])
+            elif successor in on_stack:
+                low[node] = min(low[node], index[successor])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_cycles() -> None:
+    graph = import_graph()
+    assert "deployments.engines.registry" in graph["deployments.ingress"]
+    assert not cycles(graph)
+
+
+@pytest.mark.parametrize(("graph", "expected"), [
+    ({"a": {"b"}, "b": {"a"}, "c": set()}, [["a", "b"]]),
+    ({"a": {"b"}, "b": {"c"}, "c": set()}, []),
+])
+def test_the_cycle_check_would_see_a_cycle(graph, expected) -> None:
+    assert cycles(graph) == expected

@@ -1,0 +1,79 @@
+"""The engine registry: a name or an import path picks the engine class, checked against the
+config; everything else it refuses with a ConfigError naming the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from deployments.engines.base import Engine
+from deployments.engines.embeddings import EmbeddingEngine
+from deployments.engines.fake import FakeEngine
+from deployments.engines.generation import GenerationEngine
+from deployments.engines.registry import BUILTIN_ENGINES, engine_class
+from serve_app.config import ConfigError, parse_args
+
+
+class ToyEngine(Engine):
+    """An engine class defined outside the project (a test module)."""
+
+    kinds = ("embed",)
+
+
+class NoKindsEngine(Engine):
+    pass
+
+
+class UnknownKindEngine(Engine):
+    kinds = ("transcribe",)
+
+
+def problems(raw: dict) -> list[str]:
+    """The lines of the ConfigError that resolving ``raw``'s engine raises."""
+    with pytest.raises(ConfigError) as refused:
+        engine_class(parse_args(raw))
+    heading, *lines = str(refused.value).split("\n")
+    assert heading == "invalid vramgate config:"
+    return [line.strip() for line in lines]
+
+
+def test_each_task_names_its_builtin_engine() -> None:
+    assert set(BUILTIN_ENGINES) == {"embed", "generate", "fake"}
+    assert engine_class(parse_args({})) is EmbeddingEngine
+    assert engine_class(parse_args({"model": {"task": "fake"}})) is FakeEngine
+    assert engine_class(parse_args({"model": {"task": "generate", "path": "/lm"}})) is \
+        GenerationEngine
+    # model.engine wins over model.task
+    assert engine_class(parse_args({"model": {"task": "embed", "engine": "fake"}})) is FakeEngine
+
+
+def test_an_import_path_loads_your_own_engine_class() -> None:
+    args = parse_args({"model": {"engine": f"{__name__}:ToyEngine"}})
+    assert engine_class(args) is ToyEngine
+    assert args.model.engine_name == f"{__name__}:ToyEngine"
+
+
+@pytest.mark.parametrize(("engine", "says"), [
+    ("bert", "unknown engine 'bert': use one of ['embed', 'fake', 'generate']"),
+    ("no_such_module_here:Engine", "cannot import the engine no_such_module_here:Engine"),
+    (f"{__name__}:Missing", f"cannot import the engine {__name__}:Missing"),
+    (f"{__name__}:problems", "is not a subclass of deployments.engines.base.Engine"),
+    (f"{__name__}:NoKindsEngine", "serves request kinds []; each must be one of"),
+    (f"{__name__}:UnknownKindEngine", "serves request kinds ['transcribe']"),
+])
+def test_a_bad_engine_is_named(engine: str, says: str) -> None:
+    (only,) = problems({"model": {"engine": engine}})
+    assert only.startswith("args.model.engine: ") and says in only
+
+
+def test_a_budget_larger_than_the_replicas_share_of_the_card_is_rejected() -> None:
+    (only,) = problems({"model": {"task": "fake"}, "deployment": {"num_gpus": 0.5},
+                        "fake": {"device_capacity_bytes": 16 << 30},
+                        "memory": {"capacity_bytes": 10 << 30}})
+    assert "memory.capacity_bytes: 10737418240 does not fit" in only
+    assert "0.5 x fake.device_capacity_bytes = 8589934592" in only
+
+
+def test_generation_needs_a_model_path() -> None:
+    (only,) = problems({"model": {"task": "generate"}})
+    assert only.startswith("args.model.path: ")
+    assert "set model.path to a causal LM directory" in only
