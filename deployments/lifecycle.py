@@ -1,13 +1,15 @@
-"""One request's life on a model replica: admit -> batch -> run, and the lease given back in
-exactly one ``finally``.
+"""One request's life on a model replica: admit -> batch -> run, and the lease given back by
+one function, exactly once.
 
 :meth:`RequestLifecycle.infer` and :meth:`RequestLifecycle.infer_stream` both hold their
 request's lease through :meth:`RequestLifecycle._lease`: it prices the request (the one rule,
 :mod:`serve_app.pricing`, with the replica's own cost model), waits for a lease from the
 admission gate, and on every way out (result, error, timeout, cancellation, a streaming
-client that left) gives the lease back through
-:meth:`~serve_app.admission.ticket.Ticket.release_when_free`: at once if the device never
-took the request up, else when the inference thread is done with it.
+client that left) its one ``finally`` lets go of the lease
+(:meth:`~serve_app.admission.ticket.Ticket.caller_done`). The lease goes back through
+:meth:`RequestLifecycle._give_back` when its last holder lets go: the caller if the device
+never took the request up, else the inference thread once it is done with the pass (so that
+the bytes are free for the next pass at once, as the device frees them).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from deployments.batching import RequestBatcher
 from deployments.device_health import DeviceHealth, draining_error
 from deployments.inference import InferenceThread
 from deployments.request_log import RequestLog
-from serve_app.admission.budget import Lease
 from serve_app.admission.controller import Admission, AdmissionController
 from serve_app.admission.ticket import Ticket
 from serve_app.config import AppArgs
@@ -108,16 +109,17 @@ class RequestLifecycle:
     @contextlib.asynccontextmanager
     async def _lease(self, request: InferenceRequest) -> AsyncIterator[Ticket]:
         """The request's ticket, from admission to the one place its lease goes back."""
-        ticket = Ticket(request, await self._admit(request))
+        ticket = Ticket(request, await self._admit(request), self._give_back)
         try:
             yield ticket
         finally:
-            ticket.release_when_free(partial(self._give_back, ticket))
+            ticket.caller_done()
 
-    def _give_back(self, ticket: Ticket, lease: Lease, *, ran: bool) -> None:
-        self._gate.release(lease, ran=ran)
-        self._log.event("lease released", lease.nbytes, ticket.admission.request_id, ran=ran,
-                        batch=ticket.batch)
+    def _give_back(self, ticket: Ticket, *, ran: bool) -> None:
+        """The one place a lease goes back (``ran``: the device used it)."""
+        self._gate.release(ticket.lease, ran=ran)
+        self._log.event("lease released", ticket.lease.nbytes, ticket.admission.request_id,
+                        ran=ran, batch=ticket.batch)
 
     def _accept(self, request: InferenceRequest) -> None:
         """The replica stays the authority: a request of a kind it does not serve, or whose

@@ -269,10 +269,7 @@ def run_spec(spec: RunSpec, base_url: str, results: Path) -> dict[str, Any]:
         undeploy()
     admission = args.get("admission", {})
     max_wait_s = float(admission.get("max_queue_wait_s", 10.0))
-    from serve_app.config import parse_args
-    from serve_app.planning import plan_deployment
-
-    ray_max_ongoing = plan_deployment(parse_args(args)).max_ongoing_requests
+    ray_max_ongoing = planned_max_ongoing(args)
     row = {"label": spec.label, "engine": spec.engine, "baseline": spec.baseline.name,
            "policy": admission.get("policy", "budget"),
            "mix": spec.mix, "shape": spec.shape, "base_users": spec.base_users,
@@ -297,3 +294,14 @@ def run_spec(spec: RunSpec, base_url: str, results: Path) -> dict[str, Any]:
              f"{row['p50_ms']} ms, p99 {row['p99_ms']} ms, refused {row['refused']}, OOM "
              f"{row['oom']}, 5xx {row['5xx']}, leaks {row['leaks'] or 'none'}")
     return {**row, "status_before": status_before}
+
+
+def planned_max_ongoing(raw_args: dict[str, Any]) -> int:
+    """The ``max_ongoing_requests`` the app derives for these ``args:`` (as ``build_app``
+    does: :func:`serve_app.planning.plan_deployment` for the config's engine)."""
+    from deployments.engines.registry import engine_class
+    from serve_app.config import parse_args
+    from serve_app.planning import plan_deployment
+
+    args = parse_args(raw_args)
+    return plan_deployment(args, engine_class(args)).max_ongoing_requests

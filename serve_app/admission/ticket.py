@@ -1,29 +1,29 @@
 """Who holds an admitted request's lease, and when it goes back.
 
-Two parties may use a lease: the request's caller (from admission until it leaves, however it
-leaves) and the device (from the moment a forward pass takes the request up until the
+Two parties may hold a lease: the request's caller (from admission until it leaves, however
+it leaves) and the device (from the moment a forward pass takes the request up until the
 inference thread is done with that pass, which may be long after the caller left: a timeout
-gives up on the *await*, not on the thread). A :class:`Ticket` records the device's claim;
-the caller's one ``finally`` calls :meth:`Ticket.release_when_free`, which returns the lease
-at once if the device never claimed it, else when the device is done. The bytes therefore go
-back exactly once, never while a kernel may still use them.
+gives up on the *await*, not on the thread). The lease goes back when the last holder lets go:
 
-Pure: asyncio only (no Ray, torch or FastAPI).
+- the device claimed it (:meth:`Ticket.claim`): when the device is done
+  (:meth:`Ticket.device_done`, after what the device's completion itself does, e.g. shrink the
+  budget after an OOM), whether or not the caller is still there: the memory is free then, and
+  the next requests can be admitted into the very next pass;
+- it never did: when the caller leaves (:meth:`Ticket.caller_done`, from the one ``finally``
+  of :class:`deployments.lifecycle.RequestLifecycle`).
+
+Either way the one release function runs exactly once, never while a kernel may still use the
+bytes. Pure: no Ray, torch, FastAPI or asyncio.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from serve_app.admission.budget import Lease
 from serve_app.admission.controller import Admission
 from serve_app.request import InferenceRequest
-
-#: Gives a lease back; ``ran``: whether the device used it (see
-#: :meth:`serve_app.admission.controller.AdmissionController.release`).
-Release = Callable[..., None]
 
 
 @dataclass(eq=False)
@@ -33,6 +33,8 @@ class Ticket:
     Attributes:
         request: the request.
         admission: its lease, queue wait and position.
+        release: gives the lease back: ``release(ticket, ran=...)`` (``ran``: the device used
+            it); called exactly once.
         waited_s: queue wait after the lease (for a pass, then for the thread), seconds.
         handed_to_thread: the inference thread was given work using this lease.
         batch: requests in the pass it ran in (1: alone).
@@ -41,11 +43,13 @@ class Ticket:
 
     request: InferenceRequest
     admission: Admission
+    release: Callable[..., None] = field(repr=False)
     waited_s: float = 0.0
     handed_to_thread: bool = False
     batch: int = 1
     ran: bool = False
-    _device: asyncio.Future[None] | None = field(default=None, repr=False)
+    _claimed: bool = field(default=False, repr=False)
+    _released: bool = field(default=False, repr=False)
 
     @property
     def lease(self) -> Lease:
@@ -57,24 +61,23 @@ class Ticket:
         return self.admission.queue_wait_s + self.waited_s
 
     def claim(self) -> None:
-        """The device may use the lease from now until :meth:`device_done` (a pass took the
-        request up). Idempotent. Call on the event loop."""
-        if self._device is None:
-            self._device = asyncio.get_running_loop().create_future()
+        """The device holds the lease from now until :meth:`device_done` (a pass took the
+        request up). Idempotent."""
+        self._claimed = True
 
     def device_done(self, ran: bool) -> None:
-        """The device is done with the lease (``ran``: it really used it). Idempotent."""
+        """The device is done with the lease (``ran``: it really used it): give it back if
+        the device held it. Idempotent."""
         self.ran = self.ran or ran
-        self.claim()
-        assert self._device is not None
-        if not self._device.done():
-            self._device.set_result(None)
+        if self._claimed:
+            self._give_back()
 
-    def release_when_free(self, release: Release) -> None:
-        """The caller is done: give the lease back through ``release(lease, ran=...)`` now if
-        the device never claimed it, else once the device is done (after everything the
-        device's completion itself does, e.g. shrinking the budget after an OOM)."""
-        if self._device is None:
-            release(self.lease, ran=False)
-            return
-        self._device.add_done_callback(lambda _: release(self.lease, ran=self.ran))
+    def caller_done(self) -> None:
+        """The caller leaves: give the lease back if the device never held it."""
+        if not self._claimed:
+            self._give_back()
+
+    def _give_back(self) -> None:
+        if not self._released:
+            self._released = True
+            self.release(self, ran=self.ran)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from loadtest.prices import slots_for
 from loadtest.runner import RunSpec, Scraper, config_args, run_locust
 from loadtest.scenarios import BASELINES, apply_overrides
 from loadtest.summary import run_row
@@ -47,3 +48,15 @@ def test_a_short_spike_is_refused_with_retry_after_and_never_runs_out_of_memory(
     assert audit.get("not_503_with_retry_after", 0) == 0
     assert audit.get("not_replay_identical", 0) == 0
     assert (tmp_path / "locust_stats_history.csv").stat().st_size > 0
+
+
+def test_the_slot_count_baseline_prices_the_mix_as_the_replicas_do(app) -> None:
+    [replica] = app.check_invariants()
+    slots = slots_for(app.args, [replica], "mixed")
+    prices = slots["mean_price_by_kind"]
+    # 1 MiB per token (the card's cost, which the profile fits exactly): a short input (8-16
+    # tokens) is priced padded to 16, a long request as 4 inputs padded to 208-224 tokens.
+    assert prices["short"] == pytest.approx(16 << 20, rel=1e-3)
+    assert (4 * 208 << 20) * 0.999 <= prices["long"] <= (4 * 224 << 20) * 1.001
+    assert slots["budget_bytes"] == replica["measured_budget_bytes"]
+    assert 1 <= slots["slots"] <= slots["budget_bytes"] // prices["short"]

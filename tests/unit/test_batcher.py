@@ -215,13 +215,14 @@ async def test_completions_longer_together_than_the_context_run_apart() -> None:
             admission = await replica.gate.acquire(
                 10 * replica.engine.request_bytes(1, request.token_counts[0],
                                                   params.max_tokens))
-            tickets.append(Ticket(request, admission))
+            tickets.append(Ticket(request, admission,
+                                  lambda t, ran: replica.gate.release(t.lease, ran=ran)))
         waiting = [asyncio.create_task(replica.batcher.submit(t)) for t in tickets]
         await let_them_reach_the_batcher()
         gate.release.set()
         outputs = await asyncio.gather(*waiting)
         for ticket in tickets:
-            ticket.release_when_free(replica.gate.release)
+            ticket.caller_done()
         await first
         await replica.settle()
         assert replica.batcher.passes == 3  # embed | one | the other

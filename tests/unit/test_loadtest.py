@@ -209,6 +209,14 @@ def test_bodies_stay_within_the_load_test_limits() -> None:
         ("generate", ["a b"], GenerationParams(max_tokens=40, temperature=0.0))
 
 
+def test_the_runner_plans_max_ongoing_as_build_app_does() -> None:
+    from loadtest.runner import config_args, planned_max_ongoing
+
+    # The load-test card: a 4.5 GiB budget holds 4 P95 requests (8 x 128 tokens at 1 MiB
+    # per token = 1 GiB), plus a queue of 64 (BENCHMARKS.md's budget row).
+    assert planned_max_ongoing(config_args("loadtest/configs/fake_small_card.yaml")) == 68
+
+
 def test_long_bodies_are_long_and_seeded() -> None:
     first = payloads.long_body(random.Random(3))
     assert first == payloads.long_body(random.Random(3))
