@@ -108,7 +108,7 @@ class RequestLifecycle:
 
     @contextlib.asynccontextmanager
     async def _lease(self, request: InferenceRequest) -> AsyncIterator[Ticket]:
-        """The request's ticket, from admission to the one place its lease goes back."""
+        """The request's ticket, from admission to the one ``finally`` that lets go of it."""
         ticket = Ticket(request, await self._admit(request), self._give_back)
         try:
             yield ticket

@@ -24,6 +24,9 @@ def test_four_half_gpu_replicas_survive_losing_a_node() -> None:
     # Spread: two replicas on each worker (each has one GPU = two halves), none on the head.
     assert sorted(result["replica_nodes"]) == sorted(list(workers) * 2)
     assert set(result["nodes_that_served"]) == workers
+    # The node killed hosts model replicas, never the ingress (see _worker_to_kill).
+    assert "ServeReplica:vramgate:ModelServer" in result["killed_hosted"]
+    assert not any("Ingress" in name for name in result["killed_hosted"])
     for phase in ("steady", "kill", "after_kill", "after_restore"):
         assert set(result[phase]) <= {"200", "503", "504"}, (
             phase, result[phase], result["killed_hosted"], result["kill_errors"][:3])
