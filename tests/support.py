@@ -194,3 +194,19 @@ def wait_for(base_url: str, done, timeout_s: float = 15) -> dict:
         if done(samples) or time.monotonic() > deadline:
             return samples
         time.sleep(0.5)
+
+
+def settled_scrape(base_url: str, figure, quiet_s: float = 2.5, timeout_s: float = 20) -> dict:
+    """Scrape until ``figure(samples)`` has stayed the same for ``quiet_s`` (more than two
+    publish periods: every process has published what it counted before this call), bounded
+    by ``timeout_s``. A baseline taken right after other traffic may otherwise miss counts
+    still on their way to the registry."""
+    deadline = time.monotonic() + timeout_s
+    samples = scrape(base_url)
+    last, since = figure(samples), time.monotonic()
+    while time.monotonic() - since < quiet_s and time.monotonic() < deadline:
+        time.sleep(0.5)
+        samples = scrape(base_url)
+        if (now := figure(samples)) != last:
+            last, since = now, time.monotonic()
+    return samples
