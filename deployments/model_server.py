@@ -95,10 +95,6 @@ class ModelServer:
         """
         self._replica.thread.check_health()
 
-    async def state(self) -> ReplicaState:
-        """This replica's state now."""
-        return self._replica.state()
-
     async def record_routing_stats(self) -> dict[str, float]:
         """Ray Serve polls this every ``deployment.routing_stats_period_s`` for the request
         router (:mod:`deployments.router`): the gate's figures now, and when they were taken."""

@@ -119,10 +119,6 @@ class HFEngine(Engine):
         return shape.max_positions
 
     @classmethod
-    def check_args(cls, args: AppArgs) -> None:
-        pass
-
-    @classmethod
     def front_end(cls, args: AppArgs) -> HFFrontEnd:
         path = args.model.resolved_path()
         shape = cls.model_shape(read_config(path), 4)

@@ -7,6 +7,7 @@ engine makes text from :data:`VOCAB` with :func:`decode_words`.
 from __future__ import annotations
 
 import hashlib
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 
 from serve_app.request import GenerationParams
@@ -31,8 +32,9 @@ def digest(*parts: object) -> int:
 
 
 class WordFrontEnd:
-    """Whitespace-separated words, one token each (a stable hash of the word), between a
-    begin and an end token: ``len(text.split()) + 2`` tokens per text. Thread-safe (pure).
+    """Whitespace-separated words, one token each (a stable hash of the word: CRC-32, cheap
+    on the ingress's hot path), between a begin and an end token: ``len(text.split()) + 2``
+    tokens per text. Thread-safe (pure).
 
     Args:
         max_seq_tokens: the fake model's context, tokens.
@@ -42,7 +44,7 @@ class WordFrontEnd:
         self.max_seq_tokens = max_seq_tokens
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
-        return [[BOS_ID, *(_FIRST_WORD_ID + digest("word", w) % _WORD_IDS
+        return [[BOS_ID, *(_FIRST_WORD_ID + zlib.crc32(w.encode()) % _WORD_IDS
                            for w in text.split()), EOS_ID] for text in texts]
 
 
