@@ -244,7 +244,7 @@ class RequestBatcher:
 
 def _member(ticket: Ticket) -> BatchMember:
     request = ticket.request
-    new_tokens = request.params.max_tokens if request.params else 0
+    new_tokens = KINDS[request.kind].new_tokens(request.params)
     return BatchMember(len(request.input_ids), max(request.token_counts),
                        ticket.lease.nbytes, new_tokens)
 

@@ -69,6 +69,7 @@ class Ingress:
         guard = IdempotencyGuard(idempotency, self._client,
                                  adm.max_queue_wait_s + adm.inference_timeout_s + 5,
                                  self._metrics)
+        self._front_end = front_end
         self._routes = RouteContext(args, RequestFactory(args, front_end), self._client, guard)
         self._publisher = asyncio.get_running_loop().create_task(
             publish_forever(registry, self._replica_id, self._metrics))
@@ -102,12 +103,15 @@ class Ingress:
         """``GET /v1/models``."""
         return {"object": "list", "data": [{
             "id": self._args.model.name, "object": "model", "created": self._created,
-            "owned_by": "vramgate"}]}
+            "owned_by": "vramgate", "root": self._engine.profile_identity(self._args),
+            "max_model_len": self._front_end.max_seq_tokens}]}
 
     async def status(self) -> dict[str, Any]:
         """``GET /v1/status``: every live model replica's admission state."""
         states = await self._replicas.states()
-        return {"model": self._args.model.name, "replicas": [s.to_status() for s in states]}
+        return {"model": self._args.model.name, "engine": self._args.model.engine_name,
+                "max_seq_tokens": self._front_end.max_seq_tokens, **self._front_end.describe(),
+                "replicas": [s.to_status() for s in states]}
 
     async def metrics(self) -> Response:
         """``GET /metrics``: the project's metrics of every ingress and model replica, in

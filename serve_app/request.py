@@ -38,6 +38,25 @@ class GenerationParams:
 
 
 @dataclass(frozen=True)
+class EmbeddingParams:
+    """What an ``embed`` request asks beyond its inputs (validated by the ingress).
+
+    Attributes:
+        prompt_tokens: leading tokens of every input that are the model's prompt (its
+            sentence-transformers ``prompts``, picked by the request's ``input_type``),
+            passed to the pooling as ``prompt_length``: a pooling declared with
+            ``include_prompt: false`` leaves them out, as ``SentenceTransformer.encode``
+            does. 0: no prompt.
+    """
+
+    prompt_tokens: int = 0
+
+
+RequestParams = GenerationParams | EmbeddingParams | None
+"""A request's parameters: its kind's, or ``None`` for the kind's defaults."""
+
+
+@dataclass(frozen=True)
 class InferenceRequest:
     """One validated request, as the ingress hands it to a model replica.
 
@@ -48,7 +67,8 @@ class InferenceRequest:
             special tokens included, as the model sees them.
         shape: the shape it is priced at (:func:`serve_app.kinds.build_request`): its
             inputs, longest input and new tokens, padded where it may share a forward pass.
-        params: generation parameters (``generate``), else ``None``.
+        params: generation parameters (``generate``), embedding parameters (``embed``), or
+            ``None`` (their defaults).
         stream: the client reads the result as a stream of text pieces.
         batch_key: requests with equal keys may share a forward pass; ``None``: it runs
             alone.
@@ -62,7 +82,7 @@ class InferenceRequest:
     kind: str
     input_ids: tuple[tuple[int, ...], ...]
     shape: Shape
-    params: GenerationParams | None = None
+    params: RequestParams = None
     stream: bool = False
     batch_key: tuple | None = None
     estimated_bytes: int | None = None

@@ -26,36 +26,78 @@ def _check_encodable(text: str) -> str:
     return text
 
 
+TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+"""One input given as token ids (OpenAI's array-of-integers form)."""
+
+
+def _check_inputs(value: object, field: str) -> object:
+    """One input or a list of them, each a non-empty string or a non-empty list of token
+    ids; a list mixes no kinds. Raises ValueError naming what is wrong."""
+    if isinstance(value, str):
+        return _check_text(value, field)
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{field} must be a string, a list of strings, a list of token ids "
+                         "or a list of lists of token ids, not empty")
+    if all(isinstance(item, str) for item in value):
+        for text in value:
+            _check_text(text, field)
+    elif all(isinstance(item, list) for item in value):
+        for ids in value:
+            _check_ids(ids, field)
+    else:
+        _check_ids(value, field)
+    return value
+
+
+def _check_text(text: str, field: str) -> str:
+    if not text:
+        raise ValueError(f"{field} strings must not be empty")
+    return _check_encodable(text)
+
+
+def _check_ids(ids: list, field: str) -> None:
+    if not ids or not all(type(token) is int and token >= 0 for token in ids):
+        raise ValueError(f"{field} token ids must be non-empty lists of integers >= 0")
+
+
+def _as_inputs(value: str | list) -> list[str | list[int]]:
+    """The inputs of a checked ``input``/``prompt`` value, one entry each."""
+    if isinstance(value, str) or (value and isinstance(value[0], int)):
+        return [value]
+    return list(value)
+
+
 class EmbeddingRequest(BaseModel):
     """``POST /v1/embeddings`` body (OpenAI-compatible; unknown fields are refused like
-    OpenAI does). Token-id arrays are not accepted as ``input``."""
+    OpenAI does). ``input``: a string, a list of strings, a list of token ids or a list of
+    lists of token ids (what LangChain's ``OpenAIEmbeddings`` sends)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    # (The lengths are checked by `_strings` first; declared here for the OpenAPI schema.)
+    # (Checked by `_inputs` first; declared here for the OpenAPI schema.)
     input: (Annotated[StrictStr, Field(min_length=1)]
-            | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1)])
+            | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1)]
+            | TokenIds
+            | Annotated[list[TokenIds], Field(min_length=1)])
     model: StrictStr | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = Field(None, ge=1)
     user: StrictStr | None = None
+    input_type: StrictStr | None = Field(
+        None, description="The model's prompt to apply to text inputs, by name (its "
+        "sentence-transformers `prompts`, e.g. `query`); default: its default prompt.")
+    truncate: StrictBool | None = Field(
+        None, description="Cut inputs longer than the limit at their end instead of "
+        "refusing them (400); default: `limits.truncate`.")
 
     @field_validator("input", mode="before")
     @classmethod
-    def _strings(cls, value: object) -> object:
-        texts = [value] if isinstance(value, str) else value
-        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-            raise ValueError("input must be a string or a list of strings")
-        if not texts:
-            raise ValueError("input must contain at least one string")
-        if any(not t for t in texts):
-            raise ValueError("input strings must not be empty")
-        for text in texts:
-            _check_encodable(text)
-        return value
+    def _inputs(cls, value: object) -> object:
+        return _check_inputs(value, "input")
 
-    def texts(self) -> list[str]:
-        return [self.input] if isinstance(self.input, str) else list(self.input)
+    def inputs(self) -> list[str | list[int]]:
+        """One entry per input: its text or its token ids."""
+        return _as_inputs(self.input)
 
 
 @dataclass(frozen=True)
@@ -95,7 +137,7 @@ class CompletionRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: StrictStr = Field(min_length=1)
+    prompt: Annotated[StrictStr, Field(min_length=1)] | TokenIds
     model: StrictStr | None = None
     max_tokens: StrictInt = Field(16, ge=1)
     # Strict: JSON numbers only (integers included), not booleans or numeric strings.
@@ -116,10 +158,12 @@ class CompletionRequest(BaseModel):
             _check_encodable(text)
         return value
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _prompt_text(cls, value: str) -> str:
-        return _check_encodable(value)
+    def _prompt(cls, value: object) -> object:
+        if isinstance(value, list) and value and isinstance(value[0], list):
+            raise ValueError("prompt must be one prompt: a string or a list of token ids")
+        return _check_inputs(value, "prompt")
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -194,6 +238,8 @@ class ModelCard(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
+    root: str = Field(description="What is served: the model directory (or the engine).")
+    max_model_len: int = Field(description="The longest input the model reads, tokens.")
 
 
 class ModelList(BaseModel):
@@ -207,6 +253,11 @@ class StatusResponse(BaseModel):
     """``GET /v1/status`` body: each live model replica's published admission state."""
 
     model: str
+    engine: str
+    max_seq_tokens: int = Field(description="The longest input the model reads, tokens.")
+    embedding: dict[str, Any] | None = Field(
+        None, description="Embedding models: how an input becomes a vector (sentence-"
+        "transformers modules, pooling, normalize, prompts, do_lower_case).")
     replicas: list[dict[str, Any]]
 
 

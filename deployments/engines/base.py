@@ -31,6 +31,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from serve_app.config import AppArgs
+from serve_app.errors import InvalidRequestError
 from serve_app.kinds import KINDS
 from serve_app.memory.cost_model import DECODER_FEATURES, ENCODER_FEATURES, CostModel, Shape
 from serve_app.memory.probes import DeviceProbe
@@ -38,20 +39,50 @@ from serve_app.memory.profiler import profile_ladder
 from serve_app.planning import planned_host_capacity
 from serve_app.request import (
     EmbeddingOutput,
+    EmbeddingParams,
     GenerationOutput,
     GenerationParams,
     InferenceRequest,
 )
+from serve_app.token_inputs import SpecialTokens
 
 
 class FrontEnd(Protocol):
-    """What the ingress needs of a model to validate and price requests: its tokenizer and
-    its context length. Loaded without the weights; ``tokenize`` must be thread-safe."""
+    """What the ingress needs of a model to validate and price requests: its tokenizer, its
+    context length, its vocabulary and special tokens (for token-id inputs,
+    :mod:`serve_app.token_inputs`) and its prompts. Loaded without the weights; methods must
+    be thread-safe. :class:`FrontEndDefaults` gives the optional parts."""
 
     max_seq_tokens: int
+    vocab_size: int
+    special: SpecialTokens
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids per text, special tokens included, as the model will see them."""
+
+    def prompted(self, texts: Sequence[str], input_type: str | None) -> tuple[list[str], int]:
+        """``texts`` with the model's prompt for ``input_type`` applied, and how many leading
+        tokens the pooling must leave out (0: none).
+
+        Raises:
+            InvalidRequestError: ``input_type`` names no prompt of the model.
+        """
+
+    def describe(self) -> dict[str, Any]:
+        """What ``/v1/status`` shows about how the model reads its inputs (may be empty)."""
+
+
+class FrontEndDefaults:
+    """The optional parts of :class:`FrontEnd` for a model without prompts."""
+
+    def prompted(self, texts: Sequence[str], input_type: str | None) -> tuple[list[str], int]:
+        if input_type is not None:
+            raise InvalidRequestError(
+                f"input_type={input_type!r}: this model defines no prompts", code="input_type")
+        return list(texts), 0
+
+    def describe(self) -> dict[str, Any]:
+        return {}
 
 
 @dataclass
@@ -205,11 +236,18 @@ class EmbeddingRunner:
     front: FrontEnd
 
     def embed_ids(self, input_ids: Sequence[Sequence[int]]) -> np.ndarray:
-        """float32 ``(len(input_ids), dimensions)`` for inputs given as token ids."""
+        """float32 ``(len(input_ids), dimensions)`` for inputs given as token ids. An engine
+        whose front end applies prompts that its pooling leaves out also takes
+        ``prompt_tokens`` (:class:`serve_app.request.EmbeddingParams`)."""
         raise NotImplementedError
 
     def run_embed(self, requests: Sequence[InferenceRequest]) -> list[EmbeddingOutput]:
-        rows = self.embed_ids([ids for request in requests for ids in request.input_ids])
+        """One pass over the requests' inputs (they share a batch key, so one prompt
+        length)."""
+        ids = [ids for request in requests for ids in request.input_ids]
+        params = requests[0].params
+        prompt_tokens = params.prompt_tokens if isinstance(params, EmbeddingParams) else 0
+        rows = self._embed_ids(ids, prompt_tokens)
         outputs, start = [], 0
         for request in requests:
             end = start + len(request.input_ids)
@@ -217,9 +255,17 @@ class EmbeddingRunner:
             start = end
         return outputs
 
-    def embed(self, texts: Sequence[str]) -> np.ndarray:
-        """Tokenize ``texts`` with the front end and embed them in one pass."""
-        return self.embed_ids(self.front.tokenize(texts))
+    def embed(self, texts: Sequence[str], input_type: str | None = None) -> np.ndarray:
+        """Tokenize ``texts`` with the front end (after the prompt ``input_type`` names, or
+        the model's default prompt) and embed them in one pass."""
+        prompted, prompt_tokens = self.front.prompted(texts, input_type)
+        return self._embed_ids(self.front.tokenize(prompted), prompt_tokens)
+
+    def _embed_ids(self, ids: Sequence[Sequence[int]], prompt_tokens: int) -> np.ndarray:
+        # Only engines whose prompts are left out of pooling know ``prompt_tokens``.
+        if prompt_tokens:
+            return self.embed_ids(ids, prompt_tokens=prompt_tokens)  # type: ignore[call-arg]
+        return self.embed_ids(ids)
 
 
 class GenerationRunner:

@@ -23,6 +23,34 @@ from serve_app.request import GenerationOutput, GenerationParams
 logger = logging.getLogger(__name__)
 
 
+def stop_token_ids(configured: int | Sequence[int] | None,
+                   tokenizer_eos: int | None) -> tuple[int, ...]:
+    """The token ids that end a completion: ``configured`` (``generation_config.json``'s
+    ``eos_token_id``, one id or several, e.g. Llama-3.1-Instruct's ``<|end_of_text|>``,
+    ``<|eom_id|>``, ``<|eot_id|>``: what ``model.generate`` stops on), else the tokenizer's
+    EOS, else none."""
+    if configured is None:
+        configured = tokenizer_eos
+    if configured is None:
+        return ()
+    if isinstance(configured, int):
+        return (configured,)
+    return tuple(dict.fromkeys(int(i) for i in configured))
+
+
+def pad_token_id(tokenizer_pad: int | None, tokenizer_eos: int | None,
+                 stop_ids: Sequence[int], model: str = "") -> int:
+    """The id left padding is filled with: the tokenizer's pad token, else (Llama, Mistral
+    and GPT-2 tokenizers ship none) its EOS, else the first of ``stop_ids``, else 0 (logged).
+    Any id will do: padded positions are masked out of attention and position ids."""
+    for candidate in (tokenizer_pad, tokenizer_eos, *stop_ids[:1]):
+        if candidate is not None:
+            return int(candidate)
+    logger.warning("%s: the tokenizer has neither a pad nor an EOS token; padding batches "
+                   "with id 0 (masked out)", model or "the model")
+    return 0
+
+
 class _StopStrings:
     """Cuts text at the first stop string, and holds back any tail that could still become
     one, so a streamed client never sees part of a stop string."""
@@ -97,8 +125,10 @@ class GenerationEngine(GenerationRunner, HFEngine):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._pad_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
-                        else self.tokenizer.eos_token_id or 0)
+        self._eos_ids = stop_token_ids(self.model.generation_config.eos_token_id,
+                                       self.tokenizer.eos_token_id)
+        self._pad_id = pad_token_id(self.tokenizer.pad_token_id, self.tokenizer.eos_token_id,
+                                    self._eos_ids, str(self.path))
 
     @classmethod
     def model_shape(cls, config: dict[str, Any], dtype_bytes: int) -> TransformerShape:
@@ -114,10 +144,12 @@ class GenerationEngine(GenerationRunner, HFEngine):
             raise config_error("model.path", "the generate engine needs a causal LM "
                                "directory: the packaged model is an embedding model; set "
                                "model.path to a causal LM directory")
+        super().check_args(args)
 
     def profile_run(self, batch: int, prompt_tokens: int, new_tokens: int = 0) -> None:
         """Generate exactly ``new_tokens`` (>= 1) after ``batch`` prompts of ``prompt_tokens``."""
-        ids = torch.full((batch, prompt_tokens), self._pad_id + 1, device=self.device)
+        filler = (self._pad_id + 1) % self.model.get_input_embeddings().num_embeddings
+        ids = torch.full((batch, prompt_tokens), filler, device=self.device)
         self._generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                        max_new_tokens=max(1, new_tokens), min_new_tokens=max(1, new_tokens),
                        do_sample=False)
@@ -127,8 +159,9 @@ class GenerationEngine(GenerationRunner, HFEngine):
         """Complete the prompt ``ids``; see
         :meth:`deployments.engines.base.GenerationRunner.generate_ids`.
 
-        ``finish_reason``: ``stop`` (a stop string or the end-of-sequence token), ``length``
-        (``max_tokens`` reached) or ``cancelled`` (``on_text`` returned ``False``).
+        ``finish_reason``: ``stop`` (a stop string or one of :func:`stop_token_ids`),
+        ``length`` (``max_tokens`` reached) or ``cancelled`` (``on_text`` returned ``False``).
+        Greedy, it generates exactly what ``model.generate(input_ids)`` does.
         """
         prompt_tokens = len(ids)
         stop = _StopStrings(params.stop)
@@ -145,8 +178,7 @@ class GenerationEngine(GenerationRunner, HFEngine):
                                 stopping_criteria=[_StopWhen(streamer)], **sampling)
         new_ids = output[0, prompt_tokens:]
         completion_tokens = int(new_ids.shape[0])
-        ended_by_eos = (self.tokenizer.eos_token_id is not None and completion_tokens > 0
-                        and int(new_ids[-1]) == self.tokenizer.eos_token_id)
+        ended_by_eos = completion_tokens > 0 and int(new_ids[-1]) in self._eos_ids
         if streamer.cancelled:
             reason = "cancelled"
         elif stop.hit or ended_by_eos:
@@ -159,9 +191,13 @@ class GenerationEngine(GenerationRunner, HFEngine):
                            params: Sequence[GenerationParams]) -> list[GenerationOutput]:
         """Complete several prompts in one left-padded batch (see
         :meth:`deployments.engines.base.GenerationRunner.generate_batch_ids`), generating up
-        to the largest ``max_tokens``. A row ends at its end-of-sequence token (``stop``) or
-        after its own ``max_tokens`` (``length``); rows that end early are padded by
-        ``generate`` until the longest is done.
+        to the largest ``max_tokens``. A row ends at its first stop id (``stop``, any of
+        :func:`stop_token_ids`) or after its own ``max_tokens`` (``length``); rows that end
+        early are padded by ``generate`` until the longest is done. Prompts are left-padded
+        with :func:`pad_token_id` and masked out; ``generate`` counts each row's position ids
+        from its first unmasked token (transformers 5: for every model whose ``forward``
+        takes ``position_ids``), so greedy rows get their lone completion, text included
+        (:meth:`_streamed_text`).
 
         Measured on the 2-core dev machine (4-layer 256-wide random Llama, 8 prompts x 32
         greedy tokens, 1 torch thread): 0.70 s one at a time, 0.16 s as one batch, the same
@@ -179,18 +215,33 @@ class GenerationEngine(GenerationRunner, HFEngine):
         output = self._generate(**{k: v.to(self.device) for k, v in inputs.items()},
                                 max_new_tokens=shared.max_tokens, **sampling)
         padded_prompt = int(inputs["input_ids"].shape[1])
-        eos = self.tokenizer.eos_token_id
         results = []
         for row, prompt, own in zip(output[:, padded_prompt:].tolist(), ids, params,
                                     strict=True):
             row = row[:own.max_tokens]
-            ended = eos is not None and eos in row
-            new_ids = row[:row.index(eos) + 1] if ended else row
-            text = self.tokenizer.decode(new_ids, skip_special_tokens=True)
+            end = next((i for i, token in enumerate(row) if token in self._eos_ids), None)
+            ended = end is not None
+            new_ids = row[:end + 1] if ended else row
+            text = self._streamed_text(new_ids)
             results.append(GenerationOutput(text, "stop" if ended else "length",
                                             len(prompt), len(new_ids)))
         return results
 
+    def _streamed_text(self, new_ids: Sequence[int]) -> str:
+        """The text :meth:`generate_ids` gives for completion ``new_ids``: decoded piece by
+        piece as its streamer decodes them. One ``decode`` of all ids can differ where the
+        ids are bytes that are not UTF-8: a byte-fallback decoder turns every byte of an
+        invalid run into U+FFFD, including a valid byte the streamer had already emitted."""
+        stop = _StopStrings(())
+        streamer = _Streamer(self.tokenizer, stop, None)
+        streamer.next_tokens_are_prompt = False
+        for token in new_ids:
+            streamer.put(torch.tensor([token]))
+        streamer.end()
+        return stop.text
+
     @torch.inference_mode()
     def _generate(self, **kwargs) -> torch.Tensor:
+        if self._eos_ids:
+            kwargs["eos_token_id"] = list(self._eos_ids)
         return self.model.generate(pad_token_id=self._pad_id, **kwargs)

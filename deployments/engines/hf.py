@@ -4,6 +4,7 @@ by the embedding and generation engines."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,10 +12,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from deployments.engines.base import Engine
+from deployments.engines.base import Engine, FrontEndDefaults
 from deployments.engines.devices import resolve_dtype
-from serve_app.config import AppArgs
+from serve_app.config import AppArgs, config_error
 from serve_app.memory.cost_model import DTYPE_BYTES, AnalyticCostModel, TransformerShape
+from serve_app.token_inputs import SpecialTokens
+
+logger = logging.getLogger(__name__)
 
 # What the canary inference after an OOM reads: short, and tokenised alike by any vocabulary.
 CANARY_TEXT = "The quick brown fox jumps over the lazy dog."
@@ -29,32 +33,68 @@ def read_config(path: Path) -> dict[str, Any]:
     return json.loads((Path(path) / "config.json").read_text())
 
 
-class HFFrontEnd:
+class HFFrontEnd(FrontEndDefaults):
     """The model's own tokenizer (no weights), for the ingress and the engine alike.
 
     Args:
-        path: the model directory.
+        path: the directory holding the tokenizer files.
         max_seq_tokens: the model's context, tokens.
+        vocab_size: the model's embedding rows (``config.json``); token-id inputs must lie
+            below it and below the tokenizer's size.
 
     Raises:
         OSError: the directory has no tokenizer files.
     """
 
-    def __init__(self, path: Path, max_seq_tokens: int) -> None:
+    def __init__(self, path: Path, max_seq_tokens: int, vocab_size: int) -> None:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         self.max_seq_tokens = max_seq_tokens
+        self.vocab_size = min(vocab_size, len(self.tokenizer))
         # A fast tokenizer changes its padding and truncation state per call ("Already
         # borrowed" when shared unguarded between threads).
         self._lock = threading.Lock()
+        self.special = self._special_tokens()
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids per text, special tokens included (what the model sees). Thread-safe."""
+        return self._encode(texts, True)
+
+    def _encode(self, texts: Sequence[str], special: bool) -> list[list[int]]:
         with self._lock:
-            encoded = self.tokenizer(list(texts), add_special_tokens=True, truncation=False,
-                                     verbose=False)
+            encoded = self.tokenizer(list(texts), add_special_tokens=special,
+                                     truncation=False, verbose=False)
         return [list(ids) for ids in encoded["input_ids"]]
+
+    def _special_tokens(self) -> SpecialTokens:
+        """What the tokenizer puts around a text: a probe text's ids with and without
+        special tokens, compared."""
+        [plain], [full] = self._encode(["a"], False), self._encode(["a"], True)
+        for start in range(len(full) - len(plain) + 1):
+            if full[start:start + len(plain)] == plain:
+                return SpecialTokens(tuple(full[:start]), tuple(full[start + len(plain):]))
+        logger.warning("could not locate the text between the special tokens of %s; token-id "
+                       "inputs are taken as they are", type(self.tokenizer).__name__)
+        return SpecialTokens()
+
+
+def unsupported_config(config: dict[str, Any]) -> str:
+    """Why a ``config.json`` cannot be served as it should, or ``""``: quantised weights
+    (``quantization_config``) and architectures transformers does not ship (``auto_map``:
+    the model's own code) are refused rather than loaded wrong or run from the directory."""
+    from transformers import CONFIG_MAPPING
+
+    quantization = config.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+        return (f"quantised weights (quantization_config: {method}) are not supported; serve "
+                "the unquantised model (float32, float16 or bfloat16)")
+    model_type = config.get("model_type")
+    if config.get("auto_map") and model_type not in CONFIG_MAPPING:
+        return (f"model_type {model_type!r} needs the model's own code (auto_map, "
+                "trust_remote_code), which is not run; use an architecture transformers ships")
+    return ""
 
 
 def padded(input_ids: Sequence[Sequence[int]], pad_id: int,
@@ -93,14 +133,17 @@ class HFEngine(Engine):
         self.path, self.device, self.dtype = Path(path), device, dtype
         if device == "cpu" and num_threads:
             torch.set_num_threads(num_threads)
-        self.config = read_config(self.path)
+        self.config = read_config(self.model_dir(self.path))
         self.shape = self.model_shape(self.config, DTYPE_BYTES[dtype])
-        self.max_seq_tokens = self.context_tokens(self.path, self.shape)
-        self.front = HFFrontEnd(self.path, self.max_seq_tokens)
+        self.front = self.make_front_end(self.path, self.shape)
+        self.max_seq_tokens = self.front.max_seq_tokens
         self.tokenizer = self.front.tokenizer
-        self.model = self.auto_class.from_pretrained(str(self.path),
-                                                     dtype=getattr(torch, dtype))
-        self.model.to(device).eval()
+        self.model = self.load_model(getattr(torch, dtype))
+
+    def load_model(self, dtype: torch.dtype) -> Any:
+        """The model on :attr:`device`, in eval mode."""
+        model = self.auto_class.from_pretrained(str(self.model_dir(self.path)), dtype=dtype)
+        return model.to(self.device).eval()
 
     # --- the class ---------------------------------------------------------------------
 
@@ -114,15 +157,37 @@ class HFEngine(Engine):
         return TransformerShape.from_hf_config(config, dtype_bytes)
 
     @classmethod
-    def context_tokens(cls, path: Path, shape: TransformerShape) -> int:
-        """The longest input the model accepts, tokens."""
-        return shape.max_positions
+    def model_dir(cls, path: Path) -> Path:
+        """The directory holding ``config.json`` and the weights (``path`` itself)."""
+        return Path(path)
+
+    @classmethod
+    def make_front_end(cls, path: Path, shape: TransformerShape) -> HFFrontEnd:
+        """The front end of the model directory ``path`` of dimensions ``shape``."""
+        return HFFrontEnd(cls.model_dir(path), shape.max_positions, shape.vocab_size)
 
     @classmethod
     def front_end(cls, args: AppArgs) -> HFFrontEnd:
         path = args.model.resolved_path()
-        shape = cls.model_shape(read_config(path), 4)
-        return HFFrontEnd(path, cls.context_tokens(path, shape))
+        return cls.make_front_end(path, cls.model_shape(read_config(cls.model_dir(path)), 4))
+
+    @classmethod
+    def check_args(cls, args: AppArgs) -> None:
+        """Refuses at start-up what would be served wrong: quantised weights, a model that
+        needs its own code (``trust_remote_code``), a ``config.json`` whose dimensions
+        cannot be read. A directory absent here (the model may live on the worker nodes
+        only) is left to the replicas, which fail to load it with the reason."""
+        path = cls.model_dir(args.model.resolved_path())
+        if not (path / "config.json").exists():
+            return
+        try:
+            config = read_config(path)
+            cls.model_shape(config, 4)
+        except (OSError, ValueError, KeyError) as exc:
+            raise config_error("model.path", f"cannot read {path}/config.json: {exc}") from None
+        refusal = unsupported_config(config)
+        if refusal:
+            raise config_error("model.path", f"{path}: {refusal}")
 
     @classmethod
     def describe(cls, args: AppArgs) -> str:
@@ -137,7 +202,8 @@ class HFEngine(Engine):
         """From ``config.json``, in the dtype a replica of ``args`` loads (``auto``: fp16 on
         a GPU share, fp32 on CPU)."""
         dtype = resolve_dtype(args.model.dtype, cls.device_kind(args))
-        shape = cls.model_shape(read_config(args.model.resolved_path()), DTYPE_BYTES[dtype])
+        config = read_config(cls.model_dir(args.model.resolved_path()))
+        shape = cls.model_shape(config, DTYPE_BYTES[dtype])
         model = AnalyticCostModel(shape)
         return model, model.weights_bytes()
 

@@ -10,7 +10,9 @@ import hashlib
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 
+from deployments.engines.base import FrontEndDefaults
 from serve_app.request import GenerationParams
+from serve_app.token_inputs import SpecialTokens
 
 SPECIAL_TOKENS = 2  # like [CLS] ... [SEP] or <s> ... </s>
 BOS_ID, EOS_ID = 1, 2
@@ -31,7 +33,7 @@ def digest(*parts: object) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
-class WordFrontEnd:
+class WordFrontEnd(FrontEndDefaults):
     """Whitespace-separated words, one token each (a stable hash of the word: CRC-32, cheap
     on the ingress's hot path), between a begin and an end token: ``len(text.split()) + 2``
     tokens per text. Thread-safe (pure).
@@ -39,6 +41,9 @@ class WordFrontEnd:
     Args:
         max_seq_tokens: the fake model's context, tokens.
     """
+
+    vocab_size = 1 << 31
+    special = SpecialTokens((BOS_ID,), (EOS_ID,))
 
     def __init__(self, max_seq_tokens: int) -> None:
         self.max_seq_tokens = max_seq_tokens

@@ -52,7 +52,8 @@ class CompletionsRoute(Route):
     async def _complete(self, body: CompletionRequest, params: GenerationParams,
                         completion: "_Completion") -> JSONResponse:
         context = self.context
-        inference = await context.factory.build(self.kind, [body.prompt], params)
+        inference = await context.factory.build(self.kind, [body.prompt], params,
+                                                field="prompt")
         result = await context.client.infer(inference)
         output = result.output
         return JSONResponse({
@@ -67,7 +68,8 @@ class CompletionsRoute(Route):
         """Admission errors come before the first byte, as ordinary HTTP errors; anything
         after it goes in-band as a final ``data: {"error": ...}`` event, then ``[DONE]``."""
         context = self.context
-        inference = await context.factory.build(self.kind, [body.prompt], params, stream=True)
+        inference = await context.factory.build(self.kind, [body.prompt], params,
+                                                stream=True, field="prompt")
         first, rest = await context.client.stream(inference)
 
         async def events() -> AsyncIterator[str]:

@@ -30,7 +30,9 @@ class EmbeddingsRoute(Route):
     async def _embeddings(self, body: EmbeddingRequest) -> JSONResponse:
         context = self.context
         context.check_model(body.model)
-        inference = await context.factory.build(self.kind, body.texts())
+        truncate = context.args.limits.truncate if body.truncate is None else body.truncate
+        inference = await context.factory.build(self.kind, body.inputs(), truncate=truncate,
+                                                input_type=body.input_type)
         result = await context.client.infer(inference)
         vectors = fit_dimensions(result.output.embeddings, body.dimensions)
         data = [{"object": "embedding", "index": i,

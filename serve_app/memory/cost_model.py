@@ -16,22 +16,16 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+from serve_app.memory.model_shape import (
+    ATTENTION_MATRICES,
+    GATED_INTERMEDIATE_BUFFERS,
+    HEAD_BUFFERS,
+    INTERMEDIATE_BUFFERS,
+    RESIDUAL_BUFFERS,
+    TransformerShape,
+)
 
-# Live activation buffers of one transformer layer during an inference forward pass (no
-# autograd graph is kept under torch.inference_mode, so only about one layer's tensors are
-# alive at a time). Counted from the layer's data flow (Vaswani et al. 2017, "Attention Is All
-# You Need", section 3; the per-tensor inventory of Korthikanti et al. 2022, "Reducing
-# Activation Recomputation in Large Transformer Models", section 4.1, without the tensors kept
-# only for backward): input residual, Q, K, V, attention output and its projection
-# (6 x hidden); FFN up-projection and its activation (2 x intermediate); attention scores and
-# probabilities in eager attention (2 x heads x seq^2).
-HIDDEN_BUFFERS = 6
-INTERMEDIATE_BUFFERS = 2
-ATTENTION_MATRICES = 2
-# KV cache: K and V per layer, each batch x tokens x kv_heads x head_dim (Pope et al. 2022,
-# "Efficiently Scaling Transformer Inference", section 2.1; vLLM's block size arithmetic).
-KV_TENSORS = 2
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 class Shape(NamedTuple):
@@ -54,83 +48,12 @@ class CostModel(Protocol):
 
 
 @dataclass(frozen=True)
-class TransformerShape:
-    """The dimensions of a transformer that set its memory use.
-
-    Attributes:
-        hidden_size, intermediate_size, num_layers, num_heads: from the HF ``config.json``.
-        vocab_size: embedding rows (and logits width for causal LMs).
-        max_positions: longest sequence the model accepts (tokens).
-        dtype_bytes: bytes per element of weights and activations (4 for float32).
-        num_kv_heads: key/value heads (fewer than ``num_heads`` under grouped-query attention).
-        is_decoder: a causal LM, which keeps a KV cache and computes logits.
-    """
-
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    vocab_size: int
-    max_positions: int
-    dtype_bytes: int
-    num_kv_heads: int | None = None
-    is_decoder: bool = False
-
-    @classmethod
-    def from_hf_config(cls, config: dict[str, Any], dtype_bytes: int) -> TransformerShape:
-        """Read a Hugging Face ``config.json`` dict (BERT-, GPT-2- and Llama-style keys).
-
-        Raises:
-            KeyError: a dimension is missing under every known key.
-        """
-        def pick(*keys: str) -> int:
-            for key in keys:
-                if config.get(key) is not None:
-                    return int(config[key])
-            raise KeyError(f"model config has none of {keys}")
-
-        hidden = pick("hidden_size", "n_embd", "d_model")
-        heads = pick("num_attention_heads", "n_head", "num_heads")
-        architectures = " ".join(config.get("architectures") or [])
-        return cls(
-            hidden_size=hidden,
-            intermediate_size=int(config.get("intermediate_size") or config.get("n_inner")
-                                  or 4 * hidden),
-            num_layers=pick("num_hidden_layers", "n_layer", "num_layers"),
-            num_heads=heads,
-            vocab_size=pick("vocab_size"),
-            max_positions=pick("max_position_embeddings", "n_positions", "n_ctx"),
-            dtype_bytes=dtype_bytes,
-            num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            is_decoder="CausalLM" in architectures or "LMHead" in architectures,
-        )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def approx_param_count(self) -> int:
-        """Embeddings + per layer (4 h^2 attention + 2 h i FFN); biases and norms ignored."""
-        h, i = self.hidden_size, self.intermediate_size
-        embeddings = (self.vocab_size + self.max_positions) * h
-        return embeddings + self.num_layers * (4 * h * h + 2 * h * i)
-
-    def kv_cache_bytes(self, batch: int, tokens: int) -> int:
-        """``2 x batch x tokens x layers x kv_heads x head_dim x dtype_bytes`` (0 for encoders)."""
-        if not self.is_decoder:
-            return 0
-        kv_heads = self.num_kv_heads or self.num_heads
-        return (KV_TENSORS * batch * tokens * self.num_layers * kv_heads * self.head_dim
-                * self.dtype_bytes)
-
-
-@dataclass(frozen=True)
 class AnalyticCostModel:
     """Peak extra bytes from :class:`TransformerShape` alone, before anything is measured.
 
-    ``bytes = dtype_bytes x batch x prompt x (6 h + 2 i + 2 heads x prompt)`` (one layer's live
-    activations over the prompt) ``+ KV cache over prompt + new tokens`` (decoders)
+    ``bytes = dtype_bytes x batch x prompt x (2 h + 4 heads x head_dim + 2 i + 2 heads x
+    prompt)`` (one layer's live activations over the prompt; ``3 i`` for a gated FFN)
+    ``+ KV cache over prompt + new tokens`` (decoders)
     ``+ dtype_bytes x batch x vocab`` (decoders: one position's logits) ``+ overhead``, with the
     constants and sources above. ``overhead_bytes`` covers per-request tensors outside the
     layers (token ids, mask, pooled output).
@@ -143,7 +66,9 @@ class AnalyticCostModel:
         """Bytes for ``batch`` inputs padded to ``prompt_tokens`` tokens, generating
         ``new_tokens`` more each (all >= 0; ``batch``, ``prompt_tokens`` >= 1)."""
         s = self.shape
-        per_token = (HIDDEN_BUFFERS * s.hidden_size + INTERMEDIATE_BUFFERS * s.intermediate_size
+        ffn_buffers = GATED_INTERMEDIATE_BUFFERS if s.gated_mlp else INTERMEDIATE_BUFFERS
+        per_token = (RESIDUAL_BUFFERS * s.hidden_size + HEAD_BUFFERS * s.attention_width
+                     + ffn_buffers * s.intermediate_size
                      + ATTENTION_MATRICES * s.num_heads * prompt_tokens)
         activations = s.dtype_bytes * batch * prompt_tokens * per_token
         logits = s.dtype_bytes * batch * s.vocab_size if s.is_decoder else 0

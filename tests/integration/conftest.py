@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 import ray
 from ray import serve
@@ -55,3 +56,12 @@ def deploy(serve_base_url: str) -> Iterator[Any]:
     yield _deploy
     for name in deployed:
         serve.delete(name)
+
+
+@pytest.fixture()
+def client(app: DeployedApp) -> Iterator[httpx.Client]:
+    """An HTTP client of the module's ``app``; after the test, the app's replicas must be
+    idle with their invariants holding (no lease left behind)."""
+    with httpx.Client(base_url=app.base_url, timeout=120) as c:
+        yield c
+    app.check_invariants()

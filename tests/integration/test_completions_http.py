@@ -25,13 +25,6 @@ def app(deploy, tmp_path_factory):
     })
 
 
-@pytest.fixture()
-def client(app):
-    with httpx.Client(base_url=app.base_url, timeout=60) as c:
-        yield c
-    app.check_invariants()
-
-
 def complete(client: httpx.Client, **body) -> httpx.Response:
     return client.post("/v1/completions", json={"prompt": PROMPT, **body})
 

@@ -26,13 +26,6 @@ def app(deploy):
     return deploy(ARGS)
 
 
-@pytest.fixture()
-def client(app):
-    with httpx.Client(base_url=app.base_url, timeout=60) as c:
-        yield c
-    app.check_invariants()
-
-
 def test_three_sentences_give_unit_vectors_with_the_expected_similarity(client):
     response = client.post("/v1/embeddings", json={"input": SENTENCES})
     assert response.status_code == 200
@@ -81,7 +74,16 @@ def test_base64_and_dimensions(client):
     (json.dumps({"input": []}).encode(), 400, "input"),
     (json.dumps({"input": 5}).encode(), 400, "input"),
     (json.dumps({"input": ""}).encode(), 400, "input"),
-    (json.dumps({"input": [1, 2]}).encode(), 400, "input"),
+    (json.dumps({"input": [1, "a"]}).encode(), 400, "input"),  # token ids mixed with text
+    (json.dumps({"input": [[1], "a"]}).encode(), 400, "input"),
+    (json.dumps({"input": [[]]}).encode(), 400, "input"),
+    (json.dumps({"input": [-1]}).encode(), 400, "input"),
+    (json.dumps({"input": [True]}).encode(), 400, "input"),
+    (json.dumps({"input": [1.5]}).encode(), 400, "input"),
+    (json.dumps({"input": [30522]}).encode(), 400, "input"),  # outside MiniLM's vocabulary
+    (json.dumps({"input": [[2023]], "input_type": "query"}).encode(), 400, "input_type"),
+    (json.dumps({"input": "x", "input_type": "nope"}).encode(), 400, "input_type"),
+    (json.dumps({"input": "x", "truncate": "yes"}).encode(), 400, "truncate"),
     (json.dumps({}).encode(), 400, "input"),
     (json.dumps([1]).encode(), 400, "body"),
     (json.dumps({"input": "x", "bogus": 1}).encode(), 400, "bogus"),

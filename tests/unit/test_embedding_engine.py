@@ -56,7 +56,8 @@ def test_token_counts_and_profile_run(engine: EmbeddingEngine) -> None:
 
 def test_the_canary_checks_the_output_for_nan(engine: EmbeddingEngine) -> None:
     assert engine.canary() is True
-    layer = engine.model.encoder.layer[0].output.dense  # as if a failed kernel left NaN behind
+    # As if a failed kernel left NaN behind:
+    layer = engine.model[0].model.encoder.layer[0].output.dense
     saved = layer.bias.detach().clone()
     with torch.no_grad():
         layer.bias[0] = float("nan")

@@ -40,9 +40,11 @@ def test_integers_stay_valid_sampling_numbers() -> None:
 def test_the_embedding_schema_declares_non_empty_inputs() -> None:
     # The fuzzer's "valid" {"input": ""} got 400: the schema now says what validation wants.
     schema = EmbeddingRequest.model_json_schema()["properties"]["input"]
+    ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
     assert schema["anyOf"] == [
         {"type": "string", "minLength": 1},
-        {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}}]
+        {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+        ids, {"type": "array", "minItems": 1, "items": ids}]
 
 
 def test_an_undeclared_method_is_405_with_allow() -> None:
