@@ -83,8 +83,9 @@ class Ingress:
         app.add_middleware(BodyLimitMiddleware, max_body_bytes=args.limits.max_body_bytes)
         app.add_middleware(HttpMetricsMiddleware, metrics=self._metrics)
         install_error_handlers(app)
-        for kind in self._engine.kinds:
-            ROUTES[kind](self._routes).install(app)
+        for route in ROUTES:
+            if route.kind in self._engine.kinds:
+                route(self._routes).install(app)
         app.get("/v1/models", response_model=None,
                 responses=responses(ModelList, 401))(self.models)
         app.get("/v1/status", response_model=None,

@@ -13,7 +13,12 @@ from deployments.engines.base import FrontEnd
 from serve_app.config import AppArgs
 from serve_app.errors import InvalidRequestError
 from serve_app.kinds import KINDS, build_request
-from serve_app.request import EmbeddingParams, InferenceRequest, RequestParams
+from serve_app.request import (
+    EmbeddingParams,
+    GenerationParams,
+    InferenceRequest,
+    RequestParams,
+)
 from serve_app.token_inputs import token_id_inputs
 
 
@@ -74,3 +79,17 @@ class RequestFactory:
             limit = min(self._args.limits.max_input_tokens, front.max_seq_tokens)
             ids = [front.special.truncated(one, limit) for one in ids]
         return build_request(kind, ids, params, stream, self._args, front.max_seq_tokens)
+
+    async def build_chat(self, messages: Sequence[dict[str, str]], params: GenerationParams,
+                         stream: bool = False) -> InferenceRequest:
+        """A ``generate`` request of the conversation ``messages`` rendered by the model's
+        chat template (front end ``chat_ids``, off the event loop), taken as it renders it
+        (no special tokens added).
+
+        Raises:
+            InvalidRequestError: no chat template, or a limit is exceeded.
+        """
+        self.check("generate", 1, params)
+        ids = await asyncio.to_thread(self._front.chat_ids, messages)
+        return build_request("generate", [ids], params, stream, self._args,
+                             self._front.max_seq_tokens)

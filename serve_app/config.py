@@ -36,6 +36,9 @@ class ModelConfig(_Section):
     name: str = Field(
         "", description="Model id clients see (`model` in requests, `/v1/models`). Empty: the "
         "name of the `path` directory, or `all-MiniLM-L6-v2` for the packaged model.")
+    chat_template: str = Field(
+        "", description="A Jinja chat template file for `/v1/chat/completions`, instead of "
+        "the tokenizer's own (needed when the tokenizer has none).")
     device: Literal["auto", "cuda", "cpu"] = Field(
         "auto", description="`auto`: CUDA when the replica has a GPU, else CPU.")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(

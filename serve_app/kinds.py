@@ -22,9 +22,9 @@ from serve_app.pricing import priced_tokens
 from serve_app.request import EmbeddingParams, InferenceRequest, RequestParams
 
 
-def _check_tokens(tokens: int, limit: int, what: str, code: str) -> None:
+def _check_tokens(tokens: int, limit: int, what: str, code: str, hint: str = "") -> None:
     if tokens > limit:
-        raise InvalidRequestError(f"{what} has {tokens} tokens; the limit is {limit}",
+        raise InvalidRequestError(f"{what} has {tokens} tokens; the limit is {limit}{hint}",
                                   code=code)
 
 
@@ -80,7 +80,8 @@ class EmbedKind(RequestKind):
     def check_tokens(self, token_counts: Sequence[int], params: RequestParams,
                      max_input_tokens: int, max_seq_tokens: int) -> None:
         for i, n in enumerate(token_counts):
-            _check_tokens(n, max_input_tokens, f"input[{i}]", "input")
+            _check_tokens(n, max_input_tokens, f"input[{i}]", "input",
+                          " (send truncate: true to cut it there)")
 
     def batch_key(self, inputs: int, params: RequestParams, stream: bool,
                   batching: BatchingConfig) -> tuple | None:

@@ -14,6 +14,7 @@ from pydantic import (
     StrictInt,
     StrictStr,
     field_validator,
+    model_validator,
 )
 
 
@@ -30,21 +31,27 @@ TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1
 """One input given as token ids (OpenAI's array-of-integers form)."""
 
 
-def _check_inputs(value: object, field: str) -> object:
-    """One input or a list of them, each a non-empty string or a non-empty list of token
-    ids; a list mixes no kinds. Raises ValueError naming what is wrong."""
+def _check_inputs(value: object, field: str, batch: bool = True) -> object:
+    """One input or (``batch``) a list of them, each a non-empty string or a non-empty list
+    of token ids; a list mixes no kinds. Raises ValueError naming what is wrong."""
+    forms = ("a string, a list of strings, a list of token ids or a list of lists of token "
+             "ids" if batch else "a string or a list of token ids")
     if isinstance(value, str):
         return _check_text(value, field)
     if not isinstance(value, list) or not value:
-        raise ValueError(f"{field} must be a string, a list of strings, a list of token ids "
-                         "or a list of lists of token ids, not empty")
-    if all(isinstance(item, str) for item in value):
+        raise ValueError(f"{field} must be {forms}, not empty")
+    kinds = {type(item) for item in value}
+    if len(kinds) > 1 and (str in kinds or list in kinds):
+        raise ValueError(f"{field} mixes kinds: it must be {forms}")
+    if kinds == {str} and batch:
         for text in value:
             _check_text(text, field)
-    elif all(isinstance(item, list) for item in value):
+    elif kinds == {list} and batch:
         for ids in value:
             _check_ids(ids, field)
     else:
+        if not batch and kinds & {str, list}:
+            raise ValueError(f"{field} must be one prompt: {forms}")
         _check_ids(value, field)
     return value
 
@@ -129,25 +136,40 @@ class InferenceResult:
     replica_id: str
 
 
-class CompletionRequest(BaseModel):
-    """``POST /v1/completions`` body (OpenAI-compatible subset; unknown fields are refused).
-
-    ``max_tokens`` is further bounded by ``limits.max_tokens`` at the ingress.
-    """
+class StreamOptions(BaseModel):
+    """``stream_options`` (OpenAI): ``include_usage`` adds a last event with the usage."""
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: Annotated[StrictStr, Field(min_length=1)] | TokenIds
+    include_usage: StrictBool = False
+
+
+class GenerationFields(BaseModel):
+    """What ``/v1/completions`` and ``/v1/chat/completions`` share (OpenAI-compatible subset;
+    unknown fields are refused naming them). ``null`` for an optional field means its
+    default, as OpenAI's schema allows."""
+
+    model_config = ConfigDict(extra="forbid")
+
     model: StrictStr | None = None
-    max_tokens: StrictInt = Field(16, ge=1)
     # Strict: JSON numbers only (integers included), not booleans or numeric strings.
-    temperature: StrictFloat = Field(1.0, ge=0, le=2, allow_inf_nan=False)
-    top_p: StrictFloat = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    # `| None`: null is declared (OpenAI's schema allows it) and means the default.
+    temperature: StrictFloat | None = Field(1.0, ge=0, le=2, allow_inf_nan=False)
+    top_p: StrictFloat | None = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = Field(None)
-    stream: StrictBool = False
-    n: StrictInt = Field(1, ge=1, le=1, description="Only one choice per request is supported.")
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    n: StrictInt | None = Field(1, ge=1, le=1,
+                                description="Only one choice per request is supported.")
     user: StrictStr | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, value: object) -> object:
+        if isinstance(value, dict):
+            return {key: item for key, item in value.items() if item is not None}
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -158,17 +180,28 @@ class CompletionRequest(BaseModel):
             _check_encodable(text)
         return value
 
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _prompt(cls, value: object) -> object:
-        if isinstance(value, list) and value and isinstance(value[0], list):
-            raise ValueError("prompt must be one prompt: a string or a list of token ids")
-        return _check_inputs(value, "prompt")
-
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        """A streamed response ends with a usage event."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(GenerationFields):
+    """``POST /v1/completions`` body. ``max_tokens`` is further bounded by
+    ``limits.max_tokens`` at the ingress."""
+
+    prompt: Annotated[StrictStr, Field(min_length=1)] | TokenIds
+    max_tokens: StrictInt | None = Field(16, ge=1)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, value: object) -> object:
+        return _check_inputs(value, "prompt", batch=False)
 
 
 # --- Response bodies, as declared in the OpenAPI schema (the ingress renders them itself) -----

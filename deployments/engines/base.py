@@ -71,9 +71,20 @@ class FrontEnd(Protocol):
     def describe(self) -> dict[str, Any]:
         """What ``/v1/status`` shows about how the model reads its inputs (may be empty)."""
 
+    def chat_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """The token ids of a conversation (``{"role", "content"}`` dicts) rendered as the
+        model's chat template renders it, with the assistant's turn opened.
+
+        Raises:
+            InvalidRequestError: the model has no chat template.
+        """
+
 
 class FrontEndDefaults:
-    """The optional parts of :class:`FrontEnd` for a model without prompts."""
+    """The optional parts of :class:`FrontEnd` for a model without prompts or chat."""
+
+    def chat_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        raise InvalidRequestError("this model has no chat template", code="messages")
 
     def prompted(self, texts: Sequence[str], input_type: str | None) -> tuple[list[str], int]:
         if input_type is not None:

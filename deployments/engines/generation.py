@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, StoppingCriteria, TextStreamer
 
 from deployments.engines.base import GenerationRunner, batch_params
-from deployments.engines.hf import HFEngine, padded
+from deployments.engines.hf import HFEngine, HFFrontEnd, padded
 from serve_app.config import AppArgs, config_error
 from serve_app.memory.cost_model import TransformerShape
 from serve_app.request import GenerationOutput, GenerationParams
@@ -144,7 +145,18 @@ class GenerationEngine(GenerationRunner, HFEngine):
             raise config_error("model.path", "the generate engine needs a causal LM "
                                "directory: the packaged model is an embedding model; set "
                                "model.path to a causal LM directory")
+        template = args.model.chat_template
+        if template and not Path(template).expanduser().is_file():
+            raise config_error("model.chat_template", f"{template} is not a readable file")
         super().check_args(args)
+
+    @classmethod
+    def front_end(cls, args: AppArgs) -> HFFrontEnd:
+        """:meth:`HFEngine.front_end`, with ``model.chat_template`` when one is set."""
+        front = super().front_end(args)
+        if args.model.chat_template:
+            front.chat_template = Path(args.model.chat_template).expanduser().read_text()
+        return front
 
     def profile_run(self, batch: int, prompt_tokens: int, new_tokens: int = 0) -> None:
         """Generate exactly ``new_tokens`` (>= 1) after ``batch`` prompts of ``prompt_tokens``."""

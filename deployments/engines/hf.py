@@ -15,6 +15,7 @@ import torch
 from deployments.engines.base import Engine, FrontEndDefaults
 from deployments.engines.devices import resolve_dtype
 from serve_app.config import AppArgs, config_error
+from serve_app.errors import InvalidRequestError
 from serve_app.memory.cost_model import DTYPE_BYTES, AnalyticCostModel, TransformerShape
 from serve_app.token_inputs import SpecialTokens
 
@@ -57,9 +58,30 @@ class HFFrontEnd(FrontEndDefaults):
         self._lock = threading.Lock()
         self.special = self._special_tokens()
 
+    chat_template: str | None = None
+    """A Jinja chat template that replaces the tokenizer's own (``model.chat_template``)."""
+
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids per text, special tokens included (what the model sees). Thread-safe."""
         return self._encode(texts, True)
+
+    def chat_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """``apply_chat_template`` with the generation prompt added, with
+        :attr:`chat_template` or the tokenizer's own. Thread-safe.
+
+        Raises:
+            InvalidRequestError: neither exists (400 naming ``model.chat_template``).
+        """
+        template = self.chat_template or self.tokenizer.chat_template
+        if not template:
+            raise InvalidRequestError(
+                "this model's tokenizer has no chat template: set model.chat_template to a "
+                "Jinja template file to serve /v1/chat/completions", code="chat_template")
+        with self._lock:
+            encoded = self.tokenizer.apply_chat_template(
+                list(messages), chat_template=template, add_generation_prompt=True,
+                tokenize=True, return_dict=True)
+        return list(encoded["input_ids"])
 
     def _encode(self, texts: Sequence[str], special: bool) -> list[list[int]]:
         with self._lock:

@@ -48,6 +48,11 @@ class WordFrontEnd(FrontEndDefaults):
     def __init__(self, max_seq_tokens: int) -> None:
         self.max_seq_tokens = max_seq_tokens
 
+    def chat_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """The conversation as ``role: content`` lines, then ``assistant:``, tokenized."""
+        lines = [f"{m['role']}: {m['content']}" for m in messages] + ["assistant:"]
+        return self.tokenize(["\n".join(lines)])[0]
+
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         return [[BOS_ID, *(_FIRST_WORD_ID + zlib.crc32(w.encode()) % _WORD_IDS
                            for w in text.split()), EOS_ID] for text in texts]

@@ -1,13 +1,13 @@
-"""The ingress's inference routes, one module per request kind, registered in :data:`ROUTES`
-(:mod:`serve_app.kinds` names the kinds). The ingress installs the route of every kind its
-engine serves."""
+"""The ingress's inference routes, one module each, registered in :data:`ROUTES`
+(:mod:`serve_app.kinds` names the request kinds). The ingress installs every route of a kind
+its engine serves."""
 
 from deployments.routes.base import Route, RouteContext
+from deployments.routes.chat import ChatCompletionsRoute
 from deployments.routes.completions import CompletionsRoute
 from deployments.routes.embeddings import EmbeddingsRoute
 
-ROUTES: dict[str, type[Route]] = {route.kind: route
-                                  for route in (EmbeddingsRoute, CompletionsRoute)}
-"""The route of each request kind."""
+ROUTES: tuple[type[Route], ...] = (EmbeddingsRoute, CompletionsRoute, ChatCompletionsRoute)
+"""Every inference route; each serves one request kind (``Route.kind``)."""
 
 __all__ = ["ROUTES", "Route", "RouteContext"]

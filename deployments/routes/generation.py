@@ -1,0 +1,143 @@
+"""What the generation routes share (``/v1/completions``, ``/v1/chat/completions``): one
+prompt completed whole, or streamed as server-sent events, with the usage at the end when
+``stream_options.include_usage`` asks for it. A subclass says how its body becomes a request
+and how its replies look (:class:`Reply`)."""
+
+# No `from __future__ import annotations` here: FastAPI reads the route signatures at run time.
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from deployments.http_errors import as_serve_app_error
+from deployments.openapi import INFERENCE_ERRORS, INFERENCE_PARAMETERS, responses
+from deployments.routes.base import Route
+from serve_app.errors import InvalidRequestError
+from serve_app.request import GenerationOutput, GenerationParams, InferenceRequest
+from serve_app.schemas import GenerationFields
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """OpenAI's ``usage`` object."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Reply:
+    """One response's id, creation time and model, and how its bodies and events look.
+
+    Args:
+        completion_id: the response id (``cmpl-...``, ``chatcmpl-...``).
+        created: Unix time, s.
+        model: the served model's name.
+    """
+
+    def __init__(self, completion_id: str, created: int, model: str) -> None:
+        self.id, self.created, self.model = completion_id, created, model
+
+    def head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def whole(self, output: GenerationOutput) -> dict[str, Any]:
+        """The body of a completion returned whole."""
+        raise NotImplementedError
+
+    def opening(self) -> list[dict[str, Any]]:
+        """Events before the first piece of text (none by default)."""
+        return []
+
+    def piece(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        """The event carrying ``text`` (and, on the last one, the ``finish_reason``)."""
+        raise NotImplementedError
+
+    def usage_event(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        """The last event under ``stream_options.include_usage``: no choices, the usage."""
+        raise NotImplementedError
+
+
+class GenerationRoute(Route):
+    """A route of kind ``generate`` (see module docstring)."""
+
+    kind = "generate"
+    id_prefix = "cmpl"
+    path: str
+    response_model: type
+    stream_events: str  # what a streamed response's events are, for the OpenAPI schema
+
+    def install(self, app: FastAPI) -> None:
+        app.post(self.path, response_model=None, responses=responses(
+            self.response_model, *INFERENCE_ERRORS, inference=True, event_stream=(
+                f"stream: true: {self.stream_events} (with stream_options.include_usage, a "
+                "last one with no choices and the usage; an error after the first event "
+                "comes in-band as an ErrorResponse); the last one is `[DONE]`")),
+            openapi_extra={"parameters": INFERENCE_PARAMETERS})(self.endpoint)
+
+    async def endpoint(self, body: Any, request: Request) -> Response:
+        """The route's handler, with its body's type for FastAPI (subclasses)."""
+        raise NotImplementedError
+
+    async def build(self, body: Any, params: GenerationParams, stream: bool) -> InferenceRequest:
+        """The validated, tokenized, priced request of ``body``."""
+        raise NotImplementedError
+
+    def params(self, body: Any) -> GenerationParams:
+        """The sampling parameters ``body`` asks for."""
+        raise NotImplementedError
+
+    def reply(self, completion_id: str, created: int, model: str) -> Reply:
+        raise NotImplementedError
+
+    async def handle(self, body: GenerationFields, request: Request) -> Response:
+        context = self.context
+        context.check_model(body.model)
+        params = self.params(body)
+        context.factory.check(self.kind, 1, params)
+        request_id = request.headers.get("x-request-id", uuid.uuid4().hex)
+        reply = self.reply(f"{self.id_prefix}-{request_id}", int(time.time()),
+                           context.args.model.name)
+        if body.stream:
+            if request.headers.get("idempotency-key") is not None:
+                raise InvalidRequestError("Idempotency-Key is not supported with stream: true",
+                                          code="idempotency_key")
+            return await self._stream(body, params, reply)
+        return await context.guard.run(request, body,
+                                       lambda: self._complete(body, params, reply))
+
+    async def _complete(self, body: Any, params: GenerationParams,
+                        reply: Reply) -> JSONResponse:
+        result = await self.context.client.infer(await self.build(body, params, False))
+        return JSONResponse(reply.whole(result.output), headers=result.admitted.headers())
+
+    async def _stream(self, body: GenerationFields, params: GenerationParams,
+                      reply: Reply) -> StreamingResponse:
+        """Admission errors come before the first byte, as ordinary HTTP errors; anything
+        after it goes in-band as a final ``data: {"error": ...}`` event, then ``[DONE]``."""
+        inference = await self.build(body, params, True)
+        first, rest = await self.context.client.stream(inference)
+
+        async def events() -> AsyncIterator[str]:
+            for event in reply.opening():
+                yield _sse(event)
+            try:
+                async for item in rest:
+                    yield _sse(reply.piece(item.get("text", ""), item.get("finish_reason")))
+                    if "finish_reason" in item and body.include_usage:
+                        yield _sse(reply.usage_event(item["prompt_tokens"],
+                                                     item["completion_tokens"]))
+            except Exception as exc:  # after the first byte: in-band, never a broken stream
+                yield _sse(as_serve_app_error(exc).to_body())
+            finally:
+                await rest.aclose()
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={**first["admitted"].headers(),
+                                          "Cache-Control": "no-cache"})
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
