@@ -47,13 +47,14 @@ class RequestFactory:
 
     async def build(self, kind: str, inputs: Sequence[str | Sequence[int]],
                     params: RequestParams = None, stream: bool = False, *,
-                    field: str = "input", truncate: bool = False,
+                    field: str | None = None, truncate: bool = False,
                     input_type: str | None = None) -> InferenceRequest:
         """Validate, tokenize (off the event loop) and price one request of ``kind``.
 
         Args:
             inputs: texts, or token-id lists (not mixed).
-            field: the request field ``inputs`` came from, for messages.
+            field: the request field ``inputs`` came from, for messages (default: the
+                kind's, ``input`` or ``prompt``).
             truncate: cut inputs over the token limit at their end (special tokens kept)
                 instead of refusing them.
             input_type: the model's prompt to apply to text inputs (front end
@@ -74,11 +75,13 @@ class RequestFactory:
             raise InvalidRequestError("input_type applies to text inputs, not token ids",
                                       code="input_type")
         else:
-            ids = token_id_inputs(inputs, front.vocab_size, front.special, field)
+            ids = token_id_inputs(inputs, front.vocab_size, front.special,
+                                  field or KINDS[kind].field)
         if truncate:
             limit = min(self._args.limits.max_input_tokens, front.max_seq_tokens)
             ids = [front.special.truncated(one, limit) for one in ids]
-        return build_request(kind, ids, params, stream, self._args, front.max_seq_tokens)
+        return build_request(kind, ids, params, stream, self._args, front.max_seq_tokens,
+                             field)
 
     async def build_chat(self, messages: Sequence[dict[str, str]], params: GenerationParams,
                          stream: bool = False) -> InferenceRequest:
@@ -92,4 +95,4 @@ class RequestFactory:
         self.check("generate", 1, params)
         ids = await asyncio.to_thread(self._front.chat_ids, messages)
         return build_request("generate", [ids], params, stream, self._args,
-                             self._front.max_seq_tokens)
+                             self._front.max_seq_tokens, field="messages")

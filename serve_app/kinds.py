@@ -38,9 +38,13 @@ class RequestKind:
                      limits: LimitsConfig) -> None:
         """Checks that need no tokens (before tokenizing). Raises InvalidRequestError."""
 
+    field: ClassVar[str]  # the request field its inputs come from
+
     def check_tokens(self, token_counts: Sequence[int], params: RequestParams,
-                     max_input_tokens: int, max_seq_tokens: int) -> None:
-        """Checks of the token counts. Raises InvalidRequestError naming the field."""
+                     max_input_tokens: int, max_seq_tokens: int,
+                     field: str | None = None) -> None:
+        """Checks of the token counts. Raises InvalidRequestError naming ``field`` (default:
+        the kind's :attr:`field`; a chat request's prompt is its ``messages``)."""
         raise NotImplementedError
 
     def batch_key(self, inputs: int, params: RequestParams, stream: bool,
@@ -70,6 +74,7 @@ class EmbedKind(RequestKind):
     """``POST /v1/embeddings``: 1..``limits.max_inputs`` inputs, embedded in one pass."""
 
     name = "embed"
+    field = "input"
 
     def check_inputs(self, inputs: int, params: RequestParams,
                      limits: LimitsConfig) -> None:
@@ -78,9 +83,11 @@ class EmbedKind(RequestKind):
                                       code="input")
 
     def check_tokens(self, token_counts: Sequence[int], params: RequestParams,
-                     max_input_tokens: int, max_seq_tokens: int) -> None:
+                     max_input_tokens: int, max_seq_tokens: int,
+                     field: str | None = None) -> None:
+        field = field or self.field
         for i, n in enumerate(token_counts):
-            _check_tokens(n, max_input_tokens, f"input[{i}]", "input",
+            _check_tokens(n, max_input_tokens, f"{field}[{i}]", field,
                           " (send truncate: true to cut it there)")
 
     def batch_key(self, inputs: int, params: RequestParams, stream: bool,
@@ -105,6 +112,7 @@ class GenerateKind(RequestKind):
     streamed and without stop strings or seed (one left-padded ``generate``)."""
 
     name = "generate"
+    field = "prompt"
     generates = True
 
     def check_inputs(self, inputs: int, params: RequestParams,
@@ -116,12 +124,14 @@ class GenerateKind(RequestKind):
                 code="max_tokens")
 
     def check_tokens(self, token_counts: Sequence[int], params: RequestParams,
-                     max_input_tokens: int, max_seq_tokens: int) -> None:
+                     max_input_tokens: int, max_seq_tokens: int,
+                     field: str | None = None) -> None:
         assert params is not None
+        field = field or self.field
         [prompt_tokens] = token_counts
-        _check_tokens(prompt_tokens, max_input_tokens, "prompt", "prompt")
+        _check_tokens(prompt_tokens, max_input_tokens, field, field)
         _check_tokens(prompt_tokens + params.max_tokens, max_seq_tokens,
-                      "prompt + max_tokens", "max_tokens")
+                      f"{field} + max_tokens", "max_tokens")
 
     def batch_key(self, inputs: int, params: RequestParams, stream: bool,
                   batching: BatchingConfig) -> tuple | None:
@@ -163,10 +173,11 @@ def largest_shape(kinds: Sequence[str], limits: LimitsConfig, max_seq_tokens: in
 
 def build_request(kind: str, input_ids: Sequence[Sequence[int]],
                   params: RequestParams, stream: bool, args: AppArgs,
-                  max_seq_tokens: int) -> InferenceRequest:
+                  max_seq_tokens: int, field: str | None = None) -> InferenceRequest:
     """Validate a tokenized request and price it: the one place a request becomes an
     :class:`InferenceRequest`. ``max_seq_tokens``: the model's context (tokens); inputs are
-    limited to ``min(limits.max_input_tokens, max_seq_tokens)``.
+    limited to ``min(limits.max_input_tokens, max_seq_tokens)``; ``field``: the request field
+    the inputs came from, for messages (default: the kind's).
 
     A batchable request is priced padded (:func:`serve_app.pricing.priced_tokens`) so that
     requests of similar length share a pass within their leases.
@@ -179,7 +190,7 @@ def build_request(kind: str, input_ids: Sequence[Sequence[int]],
     spec.check_inputs(len(input_ids), params, limits)
     max_input_tokens = min(limits.max_input_tokens, max_seq_tokens)
     counts = [len(ids) for ids in input_ids]
-    spec.check_tokens(counts, params, max_input_tokens, max_seq_tokens)
+    spec.check_tokens(counts, params, max_input_tokens, max_seq_tokens, field)
     key = spec.batch_key(len(counts), params, stream, args.batching)
     batchable, pad = key is not None, args.batching.pad_to_multiple_of
     new = spec.new_tokens(params)

@@ -29,8 +29,7 @@ class CompletionsRoute(GenerationRoute):
 
     async def build(self, body: CompletionRequest, params: GenerationParams,
                     stream: bool) -> InferenceRequest:
-        return await self.context.factory.build(self.kind, [body.prompt], params, stream,
-                                                field="prompt")
+        return await self.context.factory.build(self.kind, [body.prompt], params, stream)
 
     def reply(self, completion_id: str, created: int, model: str) -> Reply:
         return _Completion(completion_id, created, model)

@@ -115,6 +115,7 @@ def test_completions_streams_can_end_with_usage_and_null_means_default(client):
     ({"frequency_penalty": 1.0}, "frequency_penalty"),
     ({"max_completion_tokens": 17}, "max_tokens"),
     ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": "fox " * 80}]}, "messages"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages"),
