@@ -47,7 +47,7 @@ def test_vectors_equal_encode_with_the_default_and_a_named_prompt(client, model_
 
 def test_langchain_style_token_ids_give_the_texts_vectors(client, model_dir):
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    # LangChain's OpenAIEmbeddings(tiktoken_enabled=False) sends encode(add_special_tokens=False)
+    # Id lists as a client that tokenizes with the model's tokenizer sends them (no specials)
     ids = [tokenizer.encode(text, add_special_tokens=False) for text in TEXTS]
     body = {"input": ids, "input_type": "document"}
     refused = client.post("/v1/embeddings", json=body)
