@@ -33,10 +33,6 @@ class RequestFactory:
     def __init__(self, args: AppArgs, front_end: FrontEnd) -> None:
         self._args, self._front = args, front_end
 
-    @property
-    def front_end(self) -> FrontEnd:
-        return self._front
-
     def check(self, kind: str, inputs: int, params: RequestParams = None) -> None:
         """The checks that need no tokens (``limits.max_inputs``, ``limits.max_tokens``).
 
