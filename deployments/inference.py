@@ -52,7 +52,8 @@ class InferenceThread:
         self._gate, self._admission = gate, admission
         self._metrics, self._log = metrics, log
         self.running = 0  # jobs handed to the thread and not yet returned
-        self.total = 0  # jobs the thread ran (abandoned ones not counted)
+        self.total = 0  # passes the thread ran (abandoned ones not counted), + completions
+        # finished on continuous batching (once each, however many steps)
         self.running_since: float | None = None  # monotonic start of the running job
 
     def start(self, tickets: Sequence[Ticket],
@@ -138,14 +139,14 @@ class InferenceThread:
             started.cancel()
         if not done:
             job.abandoned = True
-            raise self._queue_timeout(tickets)
+            raise self.queue_timeout(tickets)
         thread_wait_s = time.monotonic() - waited_from
         for ticket in tickets:
             ticket.waited_s += thread_wait_s
-            self._admitted(ticket, len(tickets))
+            self.admitted(ticket, len(tickets))
         return thread_wait_s
 
-    def _admitted(self, ticket: Ticket, batch: int) -> None:
+    def admitted(self, ticket: Ticket, batch: int) -> None:
         self._metrics.inc("admission_decisions", outcome="admitted",
                           reason="queued" if ticket.admission.queue_position else "at_once")
         self._metrics.observe("queue_wait_seconds", ticket.queue_wait_s)
@@ -168,7 +169,7 @@ class InferenceThread:
         if max(t.queue_wait_s for t in tickets) >= self._admission.max_queue_wait_s:
             for ticket in tickets:  # waited its whole bound before reaching the thread
                 ticket.device_done(ran=False)
-            raise self._queue_timeout(tickets)
+            raise self.queue_timeout(tickets)
         future, job = self.start(tickets, work)
         await self.wait_started(future, job, tickets)
         try:
@@ -179,7 +180,29 @@ class InferenceThread:
         except RuntimeError as exc:
             raise self.health.error_for(exc, sum(t.lease.nbytes for t in tickets)) from None
 
-    def _queue_timeout(self, tickets: Sequence[Ticket]) -> OverloadedError:
+    async def run_step(self, work: Callable[[], Any], leased_bytes: int) -> Any:
+        """Run one step of continuous batching (:mod:`deployments.decode_loop`) on the
+        thread: no lease changes hands here (the loop holds its sequences' leases across
+        steps). A failure is reported to the device health with ``leased_bytes`` (the leases
+        of the step's sequences) before the step's caller sees it.
+
+        Raises:
+            OverloadedError: ``oom`` or ``draining``, as :meth:`run`; other errors pass.
+        """
+        loop = asyncio.get_running_loop()
+        job = _Job(work, loop, self)
+        self.running += 1
+        try:
+            return await loop.run_in_executor(self._executor, job)
+        except Exception as exc:
+            self.health.after_failure(exc, leased_bytes, job.oom_needed_bytes, job.canary_ok)
+            raise self.health.error_for(exc, leased_bytes) from None
+        finally:
+            self.running -= 1
+            if self.running_since == job.started_at:
+                self.running_since = None
+
+    def queue_timeout(self, tickets: Sequence[Ticket]) -> OverloadedError:
         """503 ``queue_timeout`` for work that waited ``max_queue_wait_s`` without starting
         (counted as rejected here)."""
         self._metrics.inc("admission_decisions", len(tickets), outcome="rejected",

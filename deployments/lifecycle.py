@@ -23,6 +23,7 @@ from functools import partial
 from typing import Any
 
 from deployments.batching import RequestBatcher
+from deployments.decode_loop import DecodeLoop
 from deployments.device_health import DeviceHealth, draining_error
 from deployments.inference import InferenceThread
 from deployments.request_log import RequestLog
@@ -46,6 +47,8 @@ class RequestLifecycle:
         pricer: the replica's prices (its corrected cost model, its policy's units).
         thread: the inference thread.
         batcher: the batcher, or ``None`` (``batching.enabled: false``).
+        decode: the continuous-batching loop completions run on, or ``None``
+            (``batching.continuous: false``, or an engine without decode steps).
         health: the device health (faults refuse requests).
         args: the config (model name, limits, timeouts).
         metrics, log: the replica's metrics and request log.
@@ -57,8 +60,10 @@ class RequestLifecycle:
                  thread: InferenceThread, batcher: RequestBatcher | None,
                  health: DeviceHealth, args: AppArgs, metrics: ProcessMetrics,
                  log: RequestLog, replica_id: str = "local",
-                 request_id: Callable[[], str] = lambda: "") -> None:
+                 request_id: Callable[[], str] = lambda: "",
+                 decode: DecodeLoop | None = None) -> None:
         self._engine, self._gate, self._pricer = engine, gate, pricer
+        self._decode = decode
         self._thread, self._batcher, self._health = thread, batcher, health
         self._args, self._metrics, self._log = args, metrics, log
         self._replica_id, self._request_id = replica_id, request_id
@@ -76,7 +81,9 @@ class RequestLifecycle:
         """
         self._accept(request)
         async with self._lease(request) as ticket:
-            if self._batcher is not None:
+            if self._decode is not None and KINDS[request.kind].generates:
+                output = await self._decode.generate(ticket)
+            elif self._batcher is not None:
                 output = await self._batcher.run(ticket)
             else:
                 [output] = await self._thread.run(
@@ -103,7 +110,8 @@ class RequestLifecycle:
                 self._metrics.inc("admission_decisions", outcome="cancelled",
                                   reason="client_gone")
                 raise
-            async for item in self._stream(ticket):
+            stream = self._stream_steps if self._decode is not None else self._stream
+            async for item in stream(ticket):
                 yield item
 
     @contextlib.asynccontextmanager
@@ -203,6 +211,29 @@ class RequestLifecycle:
                    "completion_tokens": output.completion_tokens}
         finally:
             consumer_gone.set()
+
+    async def _stream_steps(self, ticket: Ticket) -> AsyncIterator[dict[str, Any]]:
+        """As :meth:`_stream`, on the continuous-batching loop: a piece as each step makes
+        it; the sequence leaves the engine before the next step once the consumer is gone."""
+        pieces: asyncio.Queue[str] = asyncio.Queue()
+        task = asyncio.ensure_future(self._decode.generate(ticket, pieces.put_nowait))
+        try:
+            while not task.done():
+                getter = asyncio.ensure_future(pieces.get())
+                done, _ = await asyncio.wait({getter, task},
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if getter in done:
+                    yield {"text": getter.result()}
+                else:
+                    getter.cancel()
+            while not pieces.empty():
+                yield {"text": pieces.get_nowait()}
+            output = task.result()
+            yield {"finish_reason": output.finish_reason,
+                   "prompt_tokens": ticket.request.prompt_tokens,
+                   "completion_tokens": output.completion_tokens}
+        finally:
+            task.cancel()
 
     @staticmethod
     def _admitted(ticket: Ticket) -> Admitted:

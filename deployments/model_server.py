@@ -35,6 +35,12 @@ logger = logging.getLogger("ray.serve")
 GAUGES = ("budget_bytes", "measured_budget_bytes", "reserved_bytes", "free_bytes",
           "queue_depth", "queued_bytes", "cost_correction_factor")
 """Status figures refreshed as gauges every publish period."""
+KV_CACHE_GAUGES = {"running_sequences": "running_sequences",
+                   "waiting_sequences": "waiting_sequences",
+                   "kv_cache_budget_blocks": "blocks_total",
+                   "kv_cache_leased_blocks": "blocks_leased",
+                   "kv_cache_used_blocks": "blocks_in_use"}
+"""Gauges refreshed from ``/v1/status``'s ``kv_cache`` (continuous batching)."""
 
 
 @serve.deployment
@@ -116,6 +122,9 @@ class ModelServer:
             replica.metrics.set(name, status[name])
         for name, value in replica.probe.memory_snapshot().items():
             replica.metrics.set(name, value)
+        for name, key in KV_CACHE_GAUGES.items():
+            if status["kv_cache"] is not None:
+                replica.metrics.set(name, status["kv_cache"][key])
         return state
 
     def __del__(self) -> None:

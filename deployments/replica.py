@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deployments.batching import RequestBatcher
+from deployments.decode_loop import DecodeLoop
 from deployments.device_health import DeviceHealth
 from deployments.engines.base import Engine
 from deployments.inference import InferenceThread
@@ -81,9 +82,12 @@ class Replica:
         pricer = Pricer(self.cost_model, self.policy)
         self.batcher = RequestBatcher(self.thread, engine, pricer, args.batching) \
             if args.batching.enabled else None
+        self.decode = DecodeLoop(self.thread, engine, args, metrics,
+                                 lambda: self.policy.budget_bytes) \
+            if args.batching.continuous and getattr(engine, "decode_steps", False) else None
         self.lifecycle = RequestLifecycle(engine, self.gate, pricer, self.thread,
                                           self.batcher, self.health, args, metrics, self.log,
-                                          identity.replica_id, request_id)
+                                          identity.replica_id, request_id, self.decode)
 
     def state(self) -> ReplicaState:
         """This replica's state now (``GET /v1/status``, routing and autoscaling stats)."""
@@ -100,10 +104,12 @@ class Replica:
             identity.memory or {}, self.cost_model.published(), gate,
             self.health.figures(self.thread.running, self.thread.total), policy.budget_bytes,
             policy.measured_budget_bytes, policy.shrink_count, policy.regrow_count,
-            time.time())
+            time.time(), self.decode.figures() if self.decode is not None else None)
 
     def close(self) -> None:
         """Stop batching and the thread (replica shutdown)."""
         if self.batcher is not None:
             self.batcher.close()
+        if self.decode is not None:
+            self.decode.close()
         self.thread.shutdown()

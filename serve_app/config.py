@@ -278,7 +278,13 @@ class BatchingConfig(_Section):
     completions: bool = Field(
         True, description="Also batch non-streamed completions without stop strings or "
         "seed, grouped by temperature and top_p (one left-padded generate to the largest "
-        "max_tokens of the pass, each row cut at its own).")
+        "max_tokens of the pass, each row cut at its own). Used where continuous batching "
+        "is off or the model cannot step (sliding-window attention).")
+    continuous: bool = Field(
+        True, description="Run completions and chat (streamed or not, stop strings and "
+        "seeds included) on token-level continuous batching: sequences join the running "
+        "batch between decode steps and leave when they finish; at most max_batch_size "
+        "run at once. Each is leased the KV cache of its prompt + max_tokens.")
 
 
 class LoggingConfig(_Section):

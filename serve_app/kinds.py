@@ -192,7 +192,10 @@ def build_request(kind: str, input_ids: Sequence[Sequence[int]],
     counts = [len(ids) for ids in input_ids]
     spec.check_tokens(counts, params, max_input_tokens, max_seq_tokens, field)
     key = spec.batch_key(len(counts), params, stream, args.batching)
-    batchable, pad = key is not None, args.batching.pad_to_multiple_of
+    # A completion on continuous batching shares steps whatever its key: priced padded too,
+    # so that its lease covers whole KV blocks (deployments.engines.stepping).
+    batchable = key is not None or (spec.generates and args.batching.continuous)
+    pad = args.batching.pad_to_multiple_of
     new = spec.new_tokens(params)
     shape = Shape(len(counts), priced_tokens(counts, batchable, pad, max_input_tokens),
                   priced_tokens([new], batchable, pad, limits.max_tokens) if new else 0)

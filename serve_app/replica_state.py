@@ -103,6 +103,9 @@ class ReplicaState:
         measured_budget_bytes: the budget derived at start-up.
         budget_shrink_count, budget_regrow_count: AIMD steps taken.
         updated_at: when it was taken (``time.time()``).
+        kv_cache: continuous batching's figures (sequences running and waiting, KV blocks:
+            size in tokens and bytes, the budget's worth, leased, in use), or ``None``
+            (no continuous batching on this replica).
     """
 
     replica_id: str
@@ -123,6 +126,7 @@ class ReplicaState:
     budget_shrink_count: int
     budget_regrow_count: int
     updated_at: float = field(default=0.0)
+    kv_cache: Mapping[str, int] | None = None
 
     def to_status(self) -> dict[str, Any]:
         """The JSON shown per replica by ``GET /v1/status``."""
@@ -150,6 +154,7 @@ class ReplicaState:
             "budget_shrink_count": self.budget_shrink_count,
             "budget_regrow_count": self.budget_regrow_count,
             "updated_at": self.updated_at,
+            "kv_cache": dict(self.kv_cache) if self.kv_cache is not None else None,
         }
 
     def to_routing_stats(self) -> dict[str, float]:

@@ -31,6 +31,7 @@ from deployments.engines.base import (
     OpenedEngine,
     batch_params,
 )
+from deployments.engines.fake_stepping import FakeDecodeSteps
 from deployments.engines.words import SPECIAL_TOKENS, VOCAB, WordFrontEnd, decode_words, digest
 from serve_app.config import AppArgs, FakeConfig, config_error
 from serve_app.memory.cost_model import AnalyticCostModel, FittedCostModel, TransformerShape
@@ -55,7 +56,7 @@ def exact_cost_model(bytes_per_token: int, bytes_per_request: int) -> FittedCost
 
 
 @dataclass
-class FakeEngine(EmbeddingRunner, GenerationRunner, Engine):
+class FakeEngine(FakeDecodeSteps, EmbeddingRunner, GenerationRunner, Engine):
     """Embeds and generates without a model, holding simulated device memory; serves both
     ``embed`` and ``generate`` (:mod:`deployments.engines.base`). Call from one thread.
     Its front end is :class:`~deployments.engines.words.WordFrontEnd`.
@@ -345,5 +346,6 @@ class FakeEngine(EmbeddingRunner, GenerationRunner, Engine):
             raise self.device.out_of_memory(nbytes)
 
     def close(self) -> None:
-        """Free the weights (idempotent)."""
+        """Free the running sequences and the weights (idempotent)."""
+        self.drop_sequences()
         self._weights.free()

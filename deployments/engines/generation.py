@@ -16,7 +16,9 @@ import torch
 from transformers import AutoModelForCausalLM, StoppingCriteria, TextStreamer
 
 from deployments.engines.base import GenerationRunner, batch_params
+from deployments.engines.decode_batch import DenseDecodeBatch
 from deployments.engines.hf import HFEngine, HFFrontEnd, padded
+from deployments.engines.stepping import SequenceStart, SequenceUpdate, StopStrings
 from serve_app.config import AppArgs, config_error
 from serve_app.memory.cost_model import TransformerShape
 from serve_app.request import GenerationOutput, GenerationParams
@@ -52,48 +54,11 @@ def pad_token_id(tokenizer_pad: int | None, tokenizer_eos: int | None,
     return 0
 
 
-class _StopStrings:
-    """Cuts text at the first stop string, and holds back any tail that could still become
-    one, so a streamed client never sees part of a stop string."""
-
-    def __init__(self, stop: tuple[str, ...]) -> None:
-        self._stop = tuple(s for s in stop if s)
-        self.text = ""
-        self.emitted = 0
-        self.hit = False
-
-    def feed(self, piece: str, final: bool = False) -> str:
-        """Add ``piece``; return the text that may be emitted now ("" once a stop string
-        was seen: tokens decoded after it are dropped)."""
-        if self.hit:
-            return ""
-        self.text += piece
-        cut = min((i for i in (self.text.find(s) for s in self._stop) if i >= 0), default=-1)
-        if cut >= 0:
-            self.hit, self.text = True, self.text[:cut]
-            safe_end = cut
-        elif final:
-            safe_end = len(self.text)
-        else:
-            safe_end = len(self.text) - self._held_back()
-        out, self.emitted = self.text[self.emitted:safe_end], max(self.emitted, safe_end)
-        return out
-
-    def _held_back(self) -> int:
-        longest = 0
-        for stop in self._stop:
-            for n in range(min(len(stop) - 1, len(self.text)), 0, -1):
-                if self.text.endswith(stop[:n]):
-                    longest = max(longest, n)
-                    break
-        return longest
-
-
 class _Streamer(TextStreamer):
     """Feeds finalised text through the stop-string filter to ``on_text``; flips ``stopped``
     when the client is gone or a stop string appeared."""
 
-    def __init__(self, tokenizer, stop: _StopStrings, on_text: Callable[[str], bool] | None):
+    def __init__(self, tokenizer, stop: StopStrings, on_text: Callable[[str], bool] | None):
         super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
         self._filter, self._on_text = stop, on_text
         self.cancelled = False
@@ -126,10 +91,11 @@ class GenerationEngine(GenerationRunner, HFEngine):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._eos_ids = stop_token_ids(self.model.generation_config.eos_token_id,
+        self.stop_ids = stop_token_ids(self.model.generation_config.eos_token_id,
                                        self.tokenizer.eos_token_id)
-        self._pad_id = pad_token_id(self.tokenizer.pad_token_id, self.tokenizer.eos_token_id,
-                                    self._eos_ids, str(self.path))
+        self.pad_id = pad_token_id(self.tokenizer.pad_token_id, self.tokenizer.eos_token_id,
+                                    self.stop_ids, str(self.path))
+        self._running = DenseDecodeBatch(self)
 
     @classmethod
     def model_shape(cls, config: dict[str, Any], dtype_bytes: int) -> TransformerShape:
@@ -160,7 +126,7 @@ class GenerationEngine(GenerationRunner, HFEngine):
 
     def profile_run(self, batch: int, prompt_tokens: int, new_tokens: int = 0) -> None:
         """Generate exactly ``new_tokens`` (>= 1) after ``batch`` prompts of ``prompt_tokens``."""
-        filler = (self._pad_id + 1) % self.model.get_input_embeddings().num_embeddings
+        filler = (self.pad_id + 1) % self.model.get_input_embeddings().num_embeddings
         ids = torch.full((batch, prompt_tokens), filler, device=self.device)
         self._generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                        max_new_tokens=max(1, new_tokens), min_new_tokens=max(1, new_tokens),
@@ -176,7 +142,7 @@ class GenerationEngine(GenerationRunner, HFEngine):
         Greedy, it generates exactly what ``model.generate(input_ids)`` does.
         """
         prompt_tokens = len(ids)
-        stop = _StopStrings(params.stop)
+        stop = StopStrings(params.stop)
         streamer = _Streamer(self.tokenizer, stop, on_text)
         sampling = {"do_sample": False}
         if params.temperature > 0:
@@ -184,13 +150,13 @@ class GenerationEngine(GenerationRunner, HFEngine):
                         "top_p": params.top_p}
             if params.seed is not None:
                 torch.manual_seed(params.seed)  # one inference thread: the global RNG is ours
-        inputs = padded([ids], self._pad_id)
+        inputs = padded([ids], self.pad_id)
         output = self._generate(**{k: v.to(self.device) for k, v in inputs.items()},
                                 max_new_tokens=params.max_tokens, streamer=streamer,
                                 stopping_criteria=[_StopWhen(streamer)], **sampling)
         new_ids = output[0, prompt_tokens:]
         completion_tokens = int(new_ids.shape[0])
-        ended_by_eos = completion_tokens > 0 and int(new_ids[-1]) in self._eos_ids
+        ended_by_eos = completion_tokens > 0 and int(new_ids[-1]) in self.stop_ids
         if streamer.cancelled:
             reason = "cancelled"
         elif stop.hit or ended_by_eos:
@@ -219,7 +185,7 @@ class GenerationEngine(GenerationRunner, HFEngine):
             ValueError: as :func:`deployments.engines.base.batch_params`.
         """
         shared = batch_params(params)
-        inputs = padded(ids, self._pad_id, side="left")
+        inputs = padded(ids, self.pad_id, side="left")
         sampling: dict = {"do_sample": False}
         if shared.temperature > 0:
             sampling = {"do_sample": True, "temperature": shared.temperature,
@@ -231,7 +197,7 @@ class GenerationEngine(GenerationRunner, HFEngine):
         for row, prompt, own in zip(output[:, padded_prompt:].tolist(), ids, params,
                                     strict=True):
             row = row[:own.max_tokens]
-            end = next((i for i, token in enumerate(row) if token in self._eos_ids), None)
+            end = next((i for i, token in enumerate(row) if token in self.stop_ids), None)
             ended = end is not None
             new_ids = row[:end + 1] if ended else row
             text = self._streamed_text(new_ids)
@@ -239,14 +205,52 @@ class GenerationEngine(GenerationRunner, HFEngine):
                                             len(prompt), len(new_ids)))
         return results
 
+    # --- continuous batching (deployments.engines.stepping) ----------------------------
+
+    @property
+    def decode_steps(self) -> bool:
+        """Whether sequences can join and leave the running batch between decode steps:
+        not for models with sliding-window attention layers (Mistral's ``sliding_window``,
+        Gemma 2/3's ``layer_types``), whose cache layers keep only the window and cannot be
+        re-padded; their completions run as whole passes."""
+        config = self.model.config.get_text_config()
+        sliding = getattr(config, "sliding_window", None) is not None and getattr(
+            config, "use_sliding_window", True) is not False
+        return not sliding and "sliding_attention" not in (
+            getattr(config, "layer_types", None) or ())
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """One token's KV cache over all layers (``config.json``'s shape, the loaded dtype)."""
+        return self.shape.kv_cache_bytes(1, 1)
+
+    def decode_step(self, joining: Sequence[SequenceStart],
+                    leaving: Sequence[int]) -> dict[int, SequenceUpdate]:
+        """One continuous-batching step (:class:`deployments.engines.stepping.DecodeStepper`,
+        :class:`deployments.engines.decode_batch.DenseDecodeBatch`). Measured on the 2-core
+        dev machine: ``python -m benchmarks.generation``."""
+        return self._running.step(joining, leaving)
+
+    def kv_tokens_held(self) -> int:
+        return self._running.kv_tokens_held()
+
+    def kv_tokens_for(self, final_tokens: Sequence[int]) -> int:
+        return self._running.kv_tokens_for(final_tokens)
+
+    def text_streamer(self, stop: StopStrings, sink: Callable[[str], object]) -> _Streamer:
+        """The lone path's token -> text decoder for one completion's new tokens: ``put``
+        each token, ``end`` when it ends; ``sink`` gets the text ``stop`` releases."""
+        streamer = _Streamer(self.tokenizer, stop, lambda text: sink(text) or True)
+        streamer.next_tokens_are_prompt = False
+        return streamer
+
     def _streamed_text(self, new_ids: Sequence[int]) -> str:
         """The text :meth:`generate_ids` gives for completion ``new_ids``: decoded piece by
         piece as its streamer decodes them. One ``decode`` of all ids can differ where the
         ids are bytes that are not UTF-8: a byte-fallback decoder turns every byte of an
         invalid run into U+FFFD, including a valid byte the streamer had already emitted."""
-        stop = _StopStrings(())
-        streamer = _Streamer(self.tokenizer, stop, None)
-        streamer.next_tokens_are_prompt = False
+        stop = StopStrings(())
+        streamer = self.text_streamer(stop, lambda text: None)
         for token in new_ids:
             streamer.put(torch.tensor([token]))
         streamer.end()
@@ -254,6 +258,6 @@ class GenerationEngine(GenerationRunner, HFEngine):
 
     @torch.inference_mode()
     def _generate(self, **kwargs) -> torch.Tensor:
-        if self._eos_ids:
-            kwargs["eos_token_id"] = list(self._eos_ids)
-        return self.model.generate(pad_token_id=self._pad_id, **kwargs)
+        if self.stop_ids:
+            kwargs["eos_token_id"] = list(self.stop_ids)
+        return self.model.generate(pad_token_id=self.pad_id, **kwargs)

@@ -128,3 +128,20 @@ def make_controller(clock: FakeClock) -> Iterator[Callable[..., AdmissionControl
     yield build
     for controller in built:
         assert_idle(controller.queue)
+
+
+async def completion_of(lifecycle, request):
+    """What a replica's lifecycle answers for a completion (:class:`InferenceRequest`): its
+    output, or, for a streamed one read to its end, the output its pieces make."""
+    from serve_app.request import GenerationOutput
+
+    if not request.stream:
+        return (await lifecycle.infer(request)).output
+    pieces, last = [], {}
+    async for item in lifecycle.infer_stream(request):
+        if "text" in item:
+            pieces.append(item["text"])
+        elif "finish_reason" in item:
+            last = item
+    return GenerationOutput("".join(pieces), last["finish_reason"], last["prompt_tokens"],
+                            last["completion_tokens"])

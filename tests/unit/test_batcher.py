@@ -1,11 +1,13 @@
-"""The embedding batcher on real parts: the replica's inference thread, the fake engine on a
+"""The pass batcher on real parts: the replica's inference thread, the fake engine on a
 simulated device and the admission controller (no Ray).
 
 Checked: a pass is as large as the backlog that waited while the thread was busy; every pass
 holds at most what its members leased (the fake engine's memory is exact, and the thread
 observes measured / leased per pass); every lease is released exactly once whatever the
 callers do (hypothesis: random sizes, arrivals and cancellations at random points); closing
-the batcher refuses what still waits with 503 ``draining``.
+the batcher refuses what still waits with 503 ``draining``. Completions run here as whole
+passes (``batching.continuous: false``, also what a model without decode steps gets);
+continuous batching has its own tests (``test_decode_loop.py``).
 """
 
 from __future__ import annotations
@@ -46,11 +48,11 @@ LABELS = {"deployment": "ModelServer", "replica": "test"}
 
 
 def replica_args(max_batch_size: int = 8, max_wait_ms: float = 0.0,
-                 max_queue_wait_s: float = 60.0) -> Any:
+                 max_queue_wait_s: float = 60.0, continuous: bool = False) -> Any:
     return parse_args({
         "admission": {"max_queue_len": 256, "max_queue_wait_s": max_queue_wait_s},
         "batching": {"max_batch_size": max_batch_size, "max_wait_ms": max_wait_ms,
-                     "pad_to_multiple_of": PAD_TO},
+                     "pad_to_multiple_of": PAD_TO, "continuous": continuous},
         "limits": {"max_input_tokens": MAX_INPUT_TOKENS, "max_tokens": MAX_TOKENS}})
 
 
@@ -61,12 +63,12 @@ class Replica:
 
     def __init__(self, budget_bytes: int, max_batch_size: int, max_wait_ms: float = 0.0,
                  sleep=time.sleep, latency_per_token_s: float = 0.0,
-                 max_queue_wait_s: float = 60.0) -> None:
+                 max_queue_wait_s: float = 60.0, continuous: bool = False) -> None:
         self.device = SimulatedDevice(capacity_bytes=budget_bytes)
         self.engine = FakeEngine(self.device, weights_bytes=0, bytes_per_token=PER_TOKEN_BYTES,
                                  latency_per_token_s=latency_per_token_s, sleep=sleep,
                                  max_seq_tokens=MAX_INPUT_TOKENS)
-        self.args = replica_args(max_batch_size, max_wait_ms, max_queue_wait_s)
+        self.args = replica_args(max_batch_size, max_wait_ms, max_queue_wait_s, continuous)
         self.metrics = ProcessMetrics(LABELS["deployment"], LABELS["replica"], use_ray=False)
         self.executor = ThreadPoolExecutor(max_workers=1)
         self.parts = ReplicaParts(self.engine, SimulatedDeviceProbe(self.device),
@@ -75,10 +77,10 @@ class Replica:
         self.gate, self.batcher = self.parts.gate, self.parts.batcher
         self.inference = self.parts.thread
 
-    def request(self, kind: str, texts: list[str],
-                params: GenerationParams | None = None) -> InferenceRequest:
+    def request(self, kind: str, texts: list[str], params: GenerationParams | None = None,
+                stream: bool = False) -> InferenceRequest:
         """What the ingress hands the replica: tokenized, validated, priced."""
-        return build_request(kind, self.engine.front.tokenize(texts), params, False,
+        return build_request(kind, self.engine.front.tokenize(texts), params, stream,
                              self.args, self.engine.max_seq_tokens)
 
     async def embed(self, texts: list[str]) -> np.ndarray:
@@ -414,6 +416,10 @@ def test_batchable_requests_are_priced_padded_to_the_next_multiple() -> None:
     assert shape("generate", [10], greedy) == Shape(1, 16, 32)
     assert shape("generate", [2], GenerationParams(max_tokens=61, temperature=0.0)) == \
         Shape(1, 16, 62)
-    assert shape("generate", [10], GenerationParams(max_tokens=30, temperature=0.0,
-                                                    stop=("x",))) == Shape(1, 10, 30)
+    stopped = GenerationParams(max_tokens=30, temperature=0.0, stop=("x",))
+    assert shape("generate", [10], stopped) == Shape(1, 10, 30)
+    # On continuous batching every completion shares steps: priced padded to whole blocks.
+    continuous = replica_args(continuous=True)
+    assert build_request("generate", [[1] * 10], stopped, True, continuous,
+                         MAX_INPUT_TOKENS).shape == Shape(1, 16, 32)
     assert shape("embed", [3, 14]) == Shape(2, 16, 0)

@@ -85,9 +85,9 @@ def test_special_tokens_are_as_the_family_ships_them(engine) -> None:
     tokenizer = engine.tokenizer
     assert (tokenizer.pad_token, tokenizer.bos_token, tokenizer.eos_token) == \
         (convention.pad, convention.bos, convention.eos)
-    assert engine._eos_ids == tuple(_ids(engine, convention.stop))
+    assert engine.stop_ids == tuple(_ids(engine, convention.stop))
     expected_pad = tokenizer.pad_token_id if convention.pad else tokenizer.eos_token_id
-    assert engine._pad_id == expected_pad is not None
+    assert engine.pad_id == expected_pad is not None
 
 
 def test_bos_is_added_as_the_family_adds_it(engine) -> None:
@@ -109,7 +109,7 @@ class _TextOf(TextStreamer):
 
 
 def test_a_lone_greedy_completion_is_what_hf_generate_makes(engine) -> None:
-    stop = set(engine._eos_ids)
+    stop = set(engine.stop_ids)
     for ids in engine.front.tokenize(PROMPTS[::3]):
         reference = _TextOf(engine.tokenizer)  # transformers' own streamed decoding
         ref_ids = engine.model.generate.generate(torch.tensor([ids]), max_new_tokens=12,
@@ -171,9 +171,9 @@ def test_every_configured_eos_id_ends_a_completion_with_stop(engine) -> None:
 
 def _hf_batch(engine, prompt_ids, **changes) -> list[list[int]]:
     """HF ``generate`` on the left-padded batch, with ``changes`` to its inputs."""
-    batch = {**padded(prompt_ids, engine._pad_id, side="left"), **changes}
+    batch = {**padded(prompt_ids, engine.pad_id, side="left"), **changes}
     output = engine.model.generate.generate(**batch, max_new_tokens=8, do_sample=False,
-                                            pad_token_id=engine._pad_id)
+                                            pad_token_id=engine.pad_id)
     return output[:, batch["input_ids"].shape[1]:].tolist()
 
 

@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from serve_app.metrics import COMMON_LABELS, PREFIX, SPECS, ProcessMetrics, merge_expositions
 
 ALLOWED_LABELS = {"outcome", "reason", "route", "status"}
-UNITS = ("_bytes", "_seconds", "_depth", "_factor", "_over_estimated")
+UNITS = ("_bytes", "_seconds", "_depth", "_factor", "_over_estimated", "_sequences", "_blocks")
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)

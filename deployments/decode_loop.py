@@ -1,0 +1,261 @@
+"""Token-level continuous batching of a replica's completions (chat and completions, streamed
+or not, with stop strings and seeds).
+
+Admitted completions wait in one FIFO; a single loop task runs decode steps on the replica's
+inference thread (:class:`deployments.inference.InferenceThread`, one job per step, so an
+embedding pass of the same replica runs between two steps) for as long as any sequence runs
+or waits. Between two steps, sequences whose callers left (a client gone, a timeout) leave
+the engine, and waiting ones join, in arrival order, while the engine's cache for the
+running batch stays within what the leases of the running and waiting sequences cover
+(:meth:`~deployments.engines.stepping.DecodeStepper.kv_tokens_for`; always, for a paged
+cache) and at most ``batching.max_batch_size`` run. A sequence that finishes returns at once;
+its lease goes back as soon as the step that ended it returns, so the next one can join the
+very next step. Each lease covers the KV blocks of its prompt + ``max_tokens`` and its share
+of a step's activations (its price), so a running sequence never needs memory it was not
+leased: nothing is preempted. A step that fails (an OOM) fails the sequences in it (503
+``oom``), whose memory the engine has freed; the others wait on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from deployments.device_health import draining_error
+from deployments.engines.stepping import KV_BLOCK_TOKENS, SequenceStart, kv_blocks
+from deployments.inference import InferenceThread
+from serve_app.admission.ticket import Ticket
+from serve_app.config import AppArgs
+from serve_app.metrics import ProcessMetrics
+from serve_app.request import GenerationOutput
+
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass(eq=False)
+class _Sequence:
+    """One admitted completion, from the FIFO to its last token."""
+
+    seq_id: int
+    ticket: Ticket
+    on_text: Callable[[str], Any] | None
+    joined: asyncio.Future = field(repr=False)
+    result: asyncio.Future = field(repr=False)
+    enqueued_s: float = field(default_factory=time.monotonic)
+    pieces: list[str] = field(default_factory=list)
+    tokens: int = 0
+    cancelled: bool = False
+    joined_s: float = 0.0
+    last_token_s: float = 0.0
+
+    @property
+    def final_tokens(self) -> int:
+        """Prompt + ``max_tokens``: what its cache grows to at most."""
+        request = self.ticket.request
+        return request.prompt_tokens + request.params.max_tokens
+
+    def start(self) -> SequenceStart:
+        request = self.ticket.request
+        return SequenceStart(self.seq_id, request.input_ids[0], request.params)
+
+
+class DecodeLoop:
+    """Continuous batching for one replica (see module docstring). Build it on the replica's
+    event loop; :meth:`close` stops it.
+
+    Args:
+        thread: the inference thread the steps run on.
+        engine: a :class:`~deployments.engines.stepping.DecodeStepper`.
+        args: the config (``batching.max_batch_size``, ``admission`` timeouts).
+        metrics: the replica's metrics (sequences, tokens, latencies).
+        budget_bytes: the replica's byte budget now (sizes the KV pool shown in status).
+    """
+
+    def __init__(self, thread: InferenceThread, engine: Any, args: AppArgs,
+                 metrics: ProcessMetrics, budget_bytes: Callable[[], int]) -> None:
+        self._thread, self._engine, self._args = thread, engine, args
+        self._metrics, self._budget_bytes = metrics, budget_bytes
+        self._waiting: deque[_Sequence] = deque()
+        self._running: dict[int, _Sequence] = {}
+        self._ids = itertools.count()
+        self._kv_tokens_held = 0
+        self.steps = 0
+        self._wake = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._run_forever())
+
+    async def generate(self, ticket: Ticket,
+                       on_text: Callable[[str], Any] | None = None) -> GenerationOutput:
+        """Run one admitted completion; ``on_text`` (on the event loop) gets each piece of
+        text as it is final. Returns its output. Leaving early (cancellation, an error) takes
+        the sequence out of the engine before the next step; its lease goes back then.
+
+        Raises:
+            OverloadedError: ``queue_timeout`` (it waited ``admission.max_queue_wait_s`` in
+                all without joining), ``oom`` (a step it was in ran out of memory),
+                ``draining``.
+            InferenceTimeoutError: it ran longer than ``admission.inference_timeout_s``.
+        """
+        loop = asyncio.get_running_loop()
+        sequence = _Sequence(next(self._ids), ticket, on_text, loop.create_future(),
+                             loop.create_future())
+        self._waiting.append(sequence)
+        self._wake.set()
+        admission = self._args.admission
+        try:
+            limit_s = max(0.0, admission.max_queue_wait_s - ticket.queue_wait_s)
+            try:
+                await asyncio.wait_for(asyncio.shield(sequence.joined), limit_s)
+            except TimeoutError:
+                raise self._thread.queue_timeout([ticket]) from None
+            try:
+                async with asyncio.timeout(admission.inference_timeout_s):
+                    return await asyncio.shield(sequence.result)
+            except TimeoutError:
+                raise self._thread.timeout_error() from None
+        finally:
+            if not sequence.result.done():
+                sequence.cancelled = True
+                self._wake.set()
+
+    def figures(self) -> dict[str, int]:
+        """What ``/v1/status`` shows under ``kv_cache``: decode steps run, sequences running
+        and waiting, the
+        block size (tokens, bytes) and the blocks of the pool (the budget in blocks),
+        leased (the prompt + ``max_tokens`` of every running and waiting sequence) and in
+        use (the engine's cache after the last step)."""
+        block_bytes = KV_BLOCK_TOKENS * self._engine.kv_bytes_per_token
+        live = [s for s in (*self._running.values(), *self._waiting) if not s.cancelled]
+        return {
+            "steps": self.steps,
+            "running_sequences": len(self._running),
+            "waiting_sequences": sum(not s.cancelled for s in self._waiting),
+            "block_tokens": KV_BLOCK_TOKENS, "block_bytes": block_bytes,
+            "blocks_total": self._budget_bytes() // block_bytes if block_bytes else 0,
+            "blocks_leased": sum(kv_blocks(s.final_tokens) for s in live),
+            "blocks_in_use": kv_blocks(self._kv_tokens_held),
+        }
+
+    def close(self) -> None:
+        """Stop stepping (replica shutdown): every sequence gets 503 ``draining``."""
+        self._task.cancel()
+        for sequence in (*self._running.values(), *self._waiting):
+            self._fail(sequence, draining_error())
+        self._running.clear()
+        self._waiting.clear()
+
+    # --- the loop task ---------------------------------------------------------------------
+
+    async def _run_forever(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._running or any(not s.cancelled for s in self._waiting):
+                try:
+                    await self._step()
+                except Exception:  # a bug: the sequences of the step got it; go on
+                    logger.exception("decode loop: a step failed unexpectedly")
+
+    async def _step(self) -> None:
+        leaving = [s for s in self._running.values() if s.cancelled]
+        for sequence in leaving:
+            del self._running[sequence.seq_id]
+        joining = self._take_joiners()
+        members = [*self._running.values(), *joining]
+        for sequence in joining:
+            self._running[sequence.seq_id] = sequence
+        work = partial(self._engine_step, [s.start() for s in joining],
+                       [s.seq_id for s in leaving])
+        self.steps += 1
+        try:
+            updates = await self._thread.run_step(
+                work, sum(s.ticket.lease.nbytes for s in members))
+        except Exception as exc:  # the engine has dropped every sequence
+            for sequence in (*members, *leaving):
+                self._fail(sequence, exc)
+            return
+        finally:
+            for sequence in leaving:
+                sequence.ticket.device_done(ran=True)
+        now = time.monotonic()
+        for sequence in members:
+            if (update := updates.get(sequence.seq_id)) is not None:
+                self._apply(sequence, update, now)
+
+    def _engine_step(self, joining: list[SequenceStart], leaving: list[int]) -> dict:
+        """On the inference thread: one engine step, and the cache it holds after it."""
+        try:
+            return self._engine.decode_step(joining, leaving)
+        finally:
+            self._kv_tokens_held = self._engine.kv_tokens_held()
+
+    def _take_joiners(self) -> list[_Sequence]:
+        """The waiting sequences that join now, in arrival order (see module docstring);
+        from here on the device holds their leases."""
+        finals = [s.final_tokens for s in self._running.values() if not s.cancelled]
+        leased = sum(self._engine.kv_tokens_for([s.final_tokens])
+                     for s in (*self._running.values(), *self._waiting) if not s.cancelled)
+        joining: list[_Sequence] = []
+        now = time.monotonic()
+        while self._waiting and len(finals) < self._args.batching.max_batch_size:
+            sequence = self._waiting[0]
+            if sequence.cancelled:
+                self._waiting.popleft()
+                continue
+            if finals and self._engine.kv_tokens_for([*finals, sequence.final_tokens]) > leased:
+                break
+            self._waiting.popleft()
+            finals.append(sequence.final_tokens)
+            ticket = sequence.ticket
+            ticket.claim()
+            ticket.handed_to_thread = True
+            ticket.waited_s += now - sequence.enqueued_s
+            ticket.batch = len(finals)
+            self._thread.admitted(ticket, len(finals))
+            sequence.joined_s = sequence.last_token_s = now
+            sequence.joined.set_result(None)
+            joining.append(sequence)
+        return joining
+
+    def _apply(self, sequence: _Sequence, update: Any, now: float) -> None:
+        """One step's update of one sequence: its text, its metrics, its end."""
+        if update.text:
+            sequence.pieces.append(update.text)
+            if sequence.on_text is not None and not sequence.cancelled:
+                sequence.on_text(update.text)
+        made = update.completion_tokens - sequence.tokens
+        if made:
+            self._metrics.inc("generated_tokens", made)
+            if sequence.tokens == 0:
+                self._metrics.observe("time_to_first_token_seconds",
+                                      sequence.ticket.admission.queue_wait_s
+                                      + now - sequence.enqueued_s)
+            else:
+                self._metrics.observe("inter_token_latency_seconds",
+                                      now - sequence.last_token_s)
+        sequence.tokens, sequence.last_token_s = update.completion_tokens, now
+        if update.finish_reason is None:
+            return
+        del self._running[sequence.seq_id]
+        sequence.ticket.device_done(ran=True)
+        self._thread.total += 1
+        self._metrics.observe("inference_seconds", now - sequence.joined_s)
+        if not sequence.result.done():
+            sequence.result.set_result(GenerationOutput(
+                "".join(sequence.pieces), update.finish_reason,
+                sequence.ticket.request.prompt_tokens, sequence.tokens))
+
+    def _fail(self, sequence: _Sequence, error: BaseException) -> None:
+        """End a sequence with ``error`` (the engine no longer holds it)."""
+        self._running.pop(sequence.seq_id, None)
+        sequence.ticket.device_done(ran=sequence.joined.done())
+        for future in (sequence.joined, sequence.result):
+            if not future.done():
+                future.set_exception(error)
+                future.exception()  # retrieved: a caller that left never reads it
