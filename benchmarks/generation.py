@@ -2,7 +2,7 @@
 engine and on a tiny random Llama built offline, in one run. Bounded; prints a markdown
 table and the done-when ratios.
 
-    python -m benchmarks.generation [--clients 16] [--requests 4] [--seed 0]
+    python -m benchmarks.generation [--clients 16] [--requests 4] [--seed 0] [--fake-only]
 
 Each engine runs in this process behind a model replica's own parts (admission gate,
 inference thread, pass batcher or decode loop: :class:`deployments.replica.Replica`), not
@@ -128,14 +128,15 @@ def prompt_ids(engine: Any, rng: random.Random) -> tuple[int, ...]:
     return tuple(rng.randrange(5, 200) for _ in range(rng.randint(8, 24)))
 
 
-async def run(clients: int, requests: int, seed: int) -> None:
+async def run(clients: int, requests: int, seed: int, fake_only: bool = False) -> None:
     print(f"{clients} clients x {requests} greedy completions, max_tokens {MAX_TOKENS[0]}-"
           f"{MAX_TOKENS[1]}; in-process replica parts, no HTTP\n")
     print("| engine | schedule | tokens/s | p50 s | p99 s | 8-token p50 alone s "
           "| 8-token p50 under 128-token load s |")
     print("|---|---|---|---|---|---|---|")
     ratios = {}
-    for name, make in (("fake", fake_engine), ("tiny llama", tiny_llama)):
+    engines = (("fake", fake_engine),) + (() if fake_only else (("tiny llama", tiny_llama),))
+    for name, make in engines:
         engine = make()
         figures = {}
         for continuous in (False, True):
@@ -162,8 +163,9 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fake-only", action="store_true", help="skip the tiny Llama")
     options = parser.parse_args()
-    asyncio.run(run(options.clients, options.requests, options.seed))
+    asyncio.run(run(options.clients, options.requests, options.seed, options.fake_only))
 
 
 if __name__ == "__main__":

@@ -55,11 +55,11 @@ class _Sequence:
     joined_s: float = 0.0
     last_token_s: float = 0.0
 
-    @property
-    def final_tokens(self) -> int:
-        """Prompt + ``max_tokens``: what its cache grows to at most."""
+    final_tokens: int = 0  # prompt + max_tokens: what its cache grows to at most
+
+    def __post_init__(self) -> None:
         request = self.ticket.request
-        return request.prompt_tokens + request.params.max_tokens
+        self.final_tokens = request.prompt_tokens + request.params.max_tokens
 
     def start(self) -> SequenceStart:
         request = self.ticket.request
@@ -183,10 +183,12 @@ class DecodeLoop:
         finally:
             for sequence in leaving:
                 sequence.ticket.device_done(ran=True)
-        now = time.monotonic()
+        now, made = time.monotonic(), 0
         for sequence in members:
             if (update := updates.get(sequence.seq_id)) is not None:
-                self._apply(sequence, update, now)
+                made += self._apply(sequence, update, now)
+        if made:
+            self._metrics.inc("generated_tokens", made)
 
     def _engine_step(self, joining: list[SequenceStart], leaving: list[int]) -> dict:
         """On the inference thread: one engine step, and the cache it holds after it."""
@@ -198,10 +200,12 @@ class DecodeLoop:
     def _take_joiners(self) -> list[_Sequence]:
         """The waiting sequences that join now, in arrival order (see module docstring);
         from here on the device holds their leases."""
+        joining: list[_Sequence] = []
+        if not self._waiting:
+            return joining
         finals = [s.final_tokens for s in self._running.values() if not s.cancelled]
         leased = sum(self._engine.kv_tokens_for([s.final_tokens])
                      for s in (*self._running.values(), *self._waiting) if not s.cancelled)
-        joining: list[_Sequence] = []
         now = time.monotonic()
         while self._waiting and len(finals) < self._args.batching.max_batch_size:
             sequence = self._waiting[0]
@@ -223,15 +227,15 @@ class DecodeLoop:
             joining.append(sequence)
         return joining
 
-    def _apply(self, sequence: _Sequence, update: Any, now: float) -> None:
-        """One step's update of one sequence: its text, its metrics, its end."""
+    def _apply(self, sequence: _Sequence, update: Any, now: float) -> int:
+        """One step's update of one sequence: its text, its latencies, its end. Returns the
+        tokens it made."""
         if update.text:
             sequence.pieces.append(update.text)
             if sequence.on_text is not None and not sequence.cancelled:
                 sequence.on_text(update.text)
         made = update.completion_tokens - sequence.tokens
         if made:
-            self._metrics.inc("generated_tokens", made)
             if sequence.tokens == 0:
                 self._metrics.observe("time_to_first_token_seconds",
                                       sequence.ticket.admission.queue_wait_s
@@ -241,7 +245,7 @@ class DecodeLoop:
                                       now - sequence.last_token_s)
         sequence.tokens, sequence.last_token_s = update.completion_tokens, now
         if update.finish_reason is None:
-            return
+            return made
         del self._running[sequence.seq_id]
         sequence.ticket.device_done(ran=True)
         self._thread.total += 1
@@ -250,6 +254,7 @@ class DecodeLoop:
             sequence.result.set_result(GenerationOutput(
                 "".join(sequence.pieces), update.finish_reason,
                 sequence.ticket.request.prompt_tokens, sequence.tokens))
+        return made
 
     def _fail(self, sequence: _Sequence, error: BaseException) -> None:
         """End a sequence with ``error`` (the engine no longer holds it)."""
