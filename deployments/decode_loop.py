@@ -126,10 +126,9 @@ class DecodeLoop:
 
     def figures(self) -> dict[str, int]:
         """What ``/v1/status`` shows under ``kv_cache``: decode steps run, sequences running
-        and waiting, the
-        block size (tokens, bytes) and the blocks of the pool (the budget in blocks),
-        leased (the prompt + ``max_tokens`` of every running and waiting sequence) and in
-        use (the engine's cache after the last step)."""
+        and waiting, the block size (tokens, bytes) and the blocks of the pool (the budget
+        in blocks), leased (the prompt + ``max_tokens`` of every running and waiting
+        sequence) and in use (the engine's cache after the last step)."""
         block_bytes = KV_BLOCK_TOKENS * self._engine.kv_bytes_per_token
         live = [s for s in (*self._running.values(), *self._waiting) if not s.cancelled]
         return {
@@ -156,6 +155,7 @@ class DecodeLoop:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            self._waiting = deque(s for s in self._waiting if not s.cancelled)
             while self._running or any(not s.cancelled for s in self._waiting):
                 try:
                     await self._step()
@@ -247,6 +247,7 @@ class DecodeLoop:
         if update.finish_reason is None:
             return made
         del self._running[sequence.seq_id]
+        self._thread.log_finished(sequence.ticket, "ok", now - sequence.joined_s)
         sequence.ticket.device_done(ran=True)
         self._thread.total += 1
         self._metrics.observe("inference_seconds", now - sequence.joined_s)
@@ -259,6 +260,10 @@ class DecodeLoop:
     def _fail(self, sequence: _Sequence, error: BaseException) -> None:
         """End a sequence with ``error`` (the engine no longer holds it)."""
         self._running.pop(sequence.seq_id, None)
+        if sequence.joined.done() and not sequence.cancelled:
+            outcome = "oom" if getattr(error, "code", "") == "oom" else type(error).__name__
+            self._thread.log_finished(sequence.ticket, outcome,
+                                      time.monotonic() - sequence.joined_s)
         sequence.ticket.device_done(ran=sequence.joined.done())
         for future in (sequence.joined, sequence.result):
             if not future.done():

@@ -92,9 +92,7 @@ class InferenceThread:
             "oom" if isinstance(error, torch.OutOfMemoryError) else type(error).__name__)
         for ticket in tickets:
             if ran:
-                self._log.event("finished", ticket.lease.nbytes, ticket.admission.request_id,
-                                outcome=outcome, batch=len(tickets),
-                                inference_s=round(job.duration_s, 4), peak_bytes=job.peak_bytes)
+                self.log_finished(ticket, outcome, job.duration_s, job.peak_bytes)
             ticket.device_done(ran)
         self.total += ran
         self._observe(job, ran, error, tickets, leased_bytes)
@@ -111,6 +109,14 @@ class InferenceThread:
             if measured is not None:
                 self._metrics.observe("request_measured_over_estimated",
                                       measured / leased_bytes)
+
+    def log_finished(self, ticket: Ticket, outcome: str, inference_s: float,
+                     peak_bytes: int | None = None) -> None:
+        """The request log's ``finished`` event (``outcome``: ``ok``, ``oom`` or the error's
+        type name)."""
+        self._log.event("finished", ticket.lease.nbytes, ticket.admission.request_id,
+                        outcome=outcome, batch=ticket.batch, inference_s=round(inference_s, 4),
+                        peak_bytes=peak_bytes)
 
     async def wait_started(self, future: asyncio.Future, job: _Job,
                            tickets: Sequence[Ticket]) -> float:

@@ -103,7 +103,8 @@ class DenseDecodeBatch:
         if not logits:
             return {}
         last = torch.cat(logits)
-        updates = {row.start.seq_id: self._advance(row, last[i])
+        greedy = last.argmax(dim=-1).tolist()  # one device sync for the whole batch
+        updates = {row.start.seq_id: self._advance(row, last[i], greedy[i])
                    for i, row in enumerate(self._rows)}
         self._keep([i for i, row in enumerate(self._rows)
                     if updates[row.start.seq_id].finish_reason is None])
@@ -182,9 +183,10 @@ class DenseDecodeBatch:
 
     # --- tokens to text -------------------------------------------------------------------
 
-    def _advance(self, row: _Row, logits: torch.Tensor) -> SequenceUpdate:
-        """Pick the row's next token, release its text, and say whether it finished."""
-        token = self._next_token(row, logits)
+    def _advance(self, row: _Row, logits: torch.Tensor, greedy: int) -> SequenceUpdate:
+        """Pick the row's next token (``greedy``: its argmax), release its text, and say
+        whether it finished."""
+        token = greedy if row.start.params.temperature <= 0 else self._sample(row, logits)
         row.tokens += 1
         row.last_token = token
         row.streamer.put(torch.tensor([token]))
@@ -196,10 +198,8 @@ class DenseDecodeBatch:
         text, row.pieces[:] = "".join(row.pieces), []
         return SequenceUpdate(text, row.tokens, reason)
 
-    def _next_token(self, row: _Row, logits: torch.Tensor) -> int:
+    def _sample(self, row: _Row, logits: torch.Tensor) -> int:
         params = row.start.params
-        if params.temperature <= 0:
-            return int(logits.argmax())
         scores = logits.unsqueeze(0)
         warpers = [TemperatureLogitsWarper(params.temperature)]
         if self._top_k:

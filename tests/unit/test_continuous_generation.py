@@ -128,3 +128,26 @@ async def _serve(engine, args, requests):
 async def _complete(replica, args, engine, ids, params, stream) -> GenerationOutput:
     request = build_request("generate", [ids], params, stream, args, engine.max_seq_tokens)
     return await completion_of(replica.lifecycle, request)
+
+
+def test_a_seeded_sample_does_not_depend_on_its_batch(llama) -> None:
+    """Each seeded sequence draws from its own generator: the same text alone as beside
+    other sampled sequences; another seed gives another text."""
+    ids = prompts(llama, 4, seed=5)
+    seeded = GenerationParams(max_tokens=12, temperature=1.0, seed=11)
+
+    def run(starts: list[SequenceStart]) -> str:  # sequence 0's text, all run to the end
+        text, updates = "", llama.decode_step(starts, [])
+        while True:
+            text += updates[0].text if 0 in updates else ""
+            if not llama.kv_tokens_held():
+                return text
+            updates = llama.decode_step([], [])
+
+    alone = run([SequenceStart(0, ids[0], seeded)])
+    crowd = run([SequenceStart(0, ids[0], seeded)] + [
+        SequenceStart(i, ids[i], GenerationParams(max_tokens=20, temperature=1.0))
+        for i in (1, 2, 3)])
+    other = run([SequenceStart(0, ids[0], GenerationParams(12, 1.0, seed=12))])
+    assert alone == crowd
+    assert alone != other

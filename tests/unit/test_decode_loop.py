@@ -99,7 +99,9 @@ async def test_a_short_completion_returns_while_a_long_one_runs() -> None:
 
 
 async def test_a_consumer_that_leaves_mid_stream_is_out_of_the_engine_within_a_step() -> None:
-    replica = continuous_replica()
+    # Steps of a few milliseconds, as on a device: the cancellation reaches the loop within
+    # one event-loop turn, well inside the running step.
+    replica = continuous_replica(latency_per_token_s=0.002)
     try:
         request = replica.request("generate", [words(4, 3)],
                                   GenerationParams(max_tokens=50, temperature=0.0), True)
