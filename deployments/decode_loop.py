@@ -55,11 +55,23 @@ class _Sequence:
     joined_s: float = 0.0
     last_token_s: float = 0.0
 
-    final_tokens: int = 0  # prompt + max_tokens: what its cache grows to at most
+    prompt_tokens: int = 0
+    max_tokens: int = 0
 
     def __post_init__(self) -> None:
         request = self.ticket.request
-        self.final_tokens = request.prompt_tokens + request.params.max_tokens
+        self.prompt_tokens, self.max_tokens = request.prompt_tokens, request.params.max_tokens
+
+    @property
+    def final_tokens(self) -> int:
+        """Prompt + ``max_tokens``: what its cache grows to at most."""
+        return self.prompt_tokens + self.max_tokens
+
+    @property
+    def kv_row(self) -> tuple[int, int]:
+        """``(tokens held now, tokens still to generate)``, as the engine's
+        ``kv_tokens_for`` reads it."""
+        return self.prompt_tokens + self.tokens, self.max_tokens - self.tokens
 
     def start(self) -> SequenceStart:
         request = self.ticket.request
@@ -203,25 +215,25 @@ class DecodeLoop:
         joining: list[_Sequence] = []
         if not self._waiting:
             return joining
-        finals = [s.final_tokens for s in self._running.values() if not s.cancelled]
-        leased = sum(self._engine.kv_tokens_for([s.final_tokens])
+        rows = [s.kv_row for s in self._running.values() if not s.cancelled]
+        leased = sum(self._engine.kv_tokens_for([(s.final_tokens, 0)])
                      for s in (*self._running.values(), *self._waiting) if not s.cancelled)
         now = time.monotonic()
-        while self._waiting and len(finals) < self._args.batching.max_batch_size:
+        while self._waiting and len(rows) < self._args.batching.max_batch_size:
             sequence = self._waiting[0]
             if sequence.cancelled:
                 self._waiting.popleft()
                 continue
-            if finals and self._engine.kv_tokens_for([*finals, sequence.final_tokens]) > leased:
+            if rows and self._engine.kv_tokens_for([*rows, sequence.kv_row]) > leased:
                 break
             self._waiting.popleft()
-            finals.append(sequence.final_tokens)
+            rows.append(sequence.kv_row)
             ticket = sequence.ticket
             ticket.claim()
             ticket.handed_to_thread = True
             ticket.waited_s += now - sequence.enqueued_s
-            ticket.batch = len(finals)
-            self._thread.admitted(ticket, len(finals))
+            ticket.batch = len(rows)
+            self._thread.admitted(ticket, len(rows))
             sequence.joined_s = sequence.last_token_s = now
             sequence.joined.set_result(None)
             joining.append(sequence)

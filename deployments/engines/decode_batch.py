@@ -73,8 +73,18 @@ class DenseDecodeBatch:
         return 0 if self._mask is None else int(self._mask.numel())
 
     @staticmethod
-    def kv_tokens_for(final_tokens: Sequence[int]) -> int:
-        return len(final_tokens) * max(final_tokens, default=0)
+    def kv_tokens_for(rows: Sequence[tuple[int, int]]) -> int:
+        """The padded cache's peak over the rows' remaining steps: ``k`` steps from now the
+        rows still running (``coming >= k``) hold ``their count x (the longest held + k)``
+        slots; that product peaks just before a row leaves, so it is evaluated at ``k = 0``
+        and at each row's last step (an upper bound: a row ends no later than its
+        ``max_tokens``; one that stops early only lowers it)."""
+        peak = 0
+        for k in {0, *(coming for _, coming in rows)}:
+            alive = [held for held, coming in rows if coming >= k]
+            if alive:
+                peak = max(peak, len(alive) * (max(alive) + k))
+        return peak
 
     # --- one step -------------------------------------------------------------------------
 

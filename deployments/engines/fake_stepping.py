@@ -61,8 +61,8 @@ class FakeDecodeSteps:
         return sum(len(s.blocks) for s in self._running.values()) * KV_BLOCK_TOKENS
 
     @staticmethod
-    def kv_tokens_for(final_tokens: Sequence[int]) -> int:
-        return sum(kv_blocks(t) for t in final_tokens) * KV_BLOCK_TOKENS
+    def kv_tokens_for(rows: Sequence[tuple[int, int]]) -> int:
+        return sum(kv_blocks(held + coming) for held, coming in rows) * KV_BLOCK_TOKENS
 
     def decode_step(self, joining: Sequence[SequenceStart],
                     leaving: Sequence[int]) -> dict[int, SequenceUpdate]:

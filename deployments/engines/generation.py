@@ -234,8 +234,8 @@ class GenerationEngine(GenerationRunner, HFEngine):
     def kv_tokens_held(self) -> int:
         return self._running.kv_tokens_held()
 
-    def kv_tokens_for(self, final_tokens: Sequence[int]) -> int:
-        return self._running.kv_tokens_for(final_tokens)
+    def kv_tokens_for(self, rows: Sequence[tuple[int, int]]) -> int:
+        return self._running.kv_tokens_for(rows)
 
     def text_streamer(self, stop: StopStrings, sink: Callable[[str], object]) -> _Streamer:
         """The lone path's token -> text decoder for one completion's new tokens: ``put``

@@ -81,10 +81,12 @@ class DecodeStepper(Protocol):
     def kv_tokens_held(self) -> int:
         """Token slots of KV cache held now (padding included where the cache is dense)."""
 
-    def kv_tokens_for(self, final_tokens: Sequence[int]) -> int:
-        """The most token slots the cache holds if sequences that end at ``final_tokens``
-        (prompt + ``max_tokens`` each) run together: their sum for a paged cache; for a
-        left-padded dense one, their count x the longest."""
+    def kv_tokens_for(self, rows: Sequence[tuple[int, int]]) -> int:
+        """The most token slots the cache will hold if sequences with ``rows`` = ``(tokens
+        held now, tokens still to generate)`` each run together to their ends, none joining:
+        for a paged cache the blocks of each one's total; for a left-padded dense one, at
+        each step the sequences still running x the longest of them
+        (:meth:`deployments.engines.decode_batch.DenseDecodeBatch.kv_tokens_for`)."""
 
 
 class StopStrings:

@@ -67,11 +67,15 @@ def test_sequences_joining_and_leaving_between_steps_get_their_lone_tokens(engin
     assert engine.kv_tokens_held() == 0
 
 
-def test_a_dense_batch_counts_its_padding() -> None:
-    # The left-padded cache holds every row as long as the longest.
+def test_a_dense_batch_counts_its_padding_until_rows_leave() -> None:
     from deployments.engines.decode_batch import DenseDecodeBatch
-    assert DenseDecodeBatch.kv_tokens_for([10, 40, 12]) == 3 * 40
-    assert DenseDecodeBatch.kv_tokens_for([]) == 0
+    peak = DenseDecodeBatch.kv_tokens_for
+    # Every row is as long as the longest: 3 rows x 40 now; the longest grows 5 more steps,
+    # the others leave after 2 and 1: 3 x 41 after one step, 2 x 42, then 1 x 45.
+    assert peak([(10, 1), (40, 5), (12, 2)]) == max(3 * 40, 3 * 41, 2 * 42, 1 * 45)
+    # A short row beside a long one: padded to it only while it runs (8 steps).
+    assert peak([(150, 100), (24, 8)]) == max(2 * (150 + 8), 150 + 100)
+    assert peak([(24, 8)]) == 24 + 8 and peak([]) == 0
 
 
 @pytest.fixture(scope="module")
