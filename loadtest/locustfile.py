@@ -4,19 +4,23 @@
         --mix mixed --shape spike --base-users 10 --pace-rps 1 --csv out/locust --csv-full-history
 
 User classes (weights come from ``--mix``, see :data:`loadtest.scenarios.MIXES`): short, long
-and mixed-length embeddings, completions, idempotent retries (``Idempotency-Key``; a refused
-try is retried after ``Retry-After`` with the same key, and a finished one is sometimes
-replayed, expecting ``Idempotent-Replayed: true`` and the same body) and clients that abort
-mid-request (a socket timeout of :data:`ABORT_AFTER_S`). Every request carries a fresh
-``X-Request-Id``. The load shape is :class:`ScenarioShape` over ``--shape`` (users over time,
-see :data:`loadtest.scenarios.SHAPES`); each user paces itself to ``--pace-rps``.
+and mixed-length embeddings, completions, chat (about half streamed), idempotent retries
+(``Idempotency-Key``; a refused try is retried after ``Retry-After`` with the same key, and a
+finished one is sometimes replayed, expecting ``Idempotent-Replayed: true`` and the same body)
+and clients that abort mid-request (a socket timeout of :data:`ABORT_AFTER_S`). Every request
+carries a fresh ``X-Request-Id``. The load shape is :class:`ScenarioShape` over ``--shape``
+(users over time, see :data:`loadtest.scenarios.SHAPES`); each user paces itself to
+``--pace-rps``.
 
 Every response is classified by :func:`loadtest.outcomes.classify` and recorded in locust's
 stats under ``kind`` (2xx) or ``kind | outcome`` (anything else), so each outcome keeps its own
 latency distribution; refusals (503 with ``Retry-After``) and aborts are successes for locust,
-everything else non-2xx (OOMs included) is a failure. With ``--summary-json PATH`` the test's
-end writes the merged figures per outcome and kind (locust's ``StatsEntry.extend``) and the
-contract checks (request ids echoed, ``Retry-After`` on every 503, replays identical).
+everything else non-2xx (OOMs included) is a failure. A streamed answer is read to its end
+(its latency is the whole stream's) and is a 2xx only if it ends with ``data: [DONE]`` and
+carries no in-band error (:func:`loadtest.outcomes.stream_problem`). With ``--summary-json
+PATH`` the test's end writes the merged figures per outcome and kind (locust's
+``StatsEntry.extend``) and the contract checks (request ids echoed, ``Retry-After`` on every
+503, replays identical, streams complete).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from typing import Any
 
 import gevent
 from locust import LoadTestShape, constant_pacing, events, task
-from locust.contrib.fasthttp import FastHttpUser
+from locust.contrib.fasthttp import FAILURE_EXCEPTIONS, FastHttpUser
 from locust.stats import StatsEntry
 
 # `locust -f loadtest/locustfile.py` puts only loadtest/ on sys.path; the package needs its root.
@@ -47,6 +51,8 @@ from loadtest.outcomes import (  # noqa: E402
     error_code,
     retry_after_s,
     split_entry_name,
+    stream_outcome,
+    stream_problem,
 )
 from loadtest.scenarios import MIXES, SHAPES  # noqa: E402
 
@@ -136,23 +142,29 @@ class VramgateUser(FastHttpUser):
         Returns the outcome and locust's response."""
         request_id = _new_request_id()
         route = payloads.ROUTES[route_kind or kind]
+        # Without stream=True locust reads the whole body (a stream to its end) before it
+        # takes the response time.
         with self.client.post(route, json=body, name=kind, catch_response=True,
                               headers={"X-Request-Id": request_id, **(headers or {})},
                               ) as response:
-            outcome = self._record(response, kind, request_id)
+            outcome = self._record(response, kind, request_id, bool(body.get("stream")))
         return outcome, response
 
-    def _record(self, response: Any, kind: str, request_id: str) -> Outcome:
+    def _record(self, response: Any, kind: str, request_id: str, streamed: bool) -> Outcome:
         status = response.status_code or 0
         headers = {name: value for name in ("retry-after", "x-request-id")
                    if (value := _header(response, name)) is not None}
         error = getattr(response, "error", None)
         # geventhttpclient wraps a socket timeout in RetriesExceeded(original=...)
         cause = getattr(error, "original", None) or error
-        code = error_code(response.content) if status >= 400 else None
+        code = error_code(_body(response)) if status >= 400 else None
         aborted = self.aborts and isinstance(cause, TimeoutError)
         outcome = classify(status, headers, code, aborted)
         detail = code or (type(cause).__name__ if cause is not None else "")
+        if streamed and outcome is Outcome.OK:  # a 200 from the first byte: read the events
+            problem = stream_problem(_body(response))
+            outcome, detail = stream_outcome(problem), f"stream {problem}" if problem else ""
+            _check("stream_complete", problem is None, f"{request_id}: {problem}")
         STATUS_CODES[f"{status} {detail}".strip()] += 1
         AUDIT["requests"] += 1
         if status:
@@ -165,7 +177,7 @@ class VramgateUser(FastHttpUser):
             RETRY_AFTERS[str(seconds)] += 1
         response.request_meta["name"] = entry_name(kind, outcome)
         if outcome.is_failure:
-            response.failure(f"{status} {code or (type(error).__name__ if error else '')}")
+            response.failure(f"{status} {detail}")
         else:
             response.success()
         return outcome
@@ -185,6 +197,17 @@ class MixedEmbedUser(VramgateUser):
 
 class CompletionUser(VramgateUser):
     kind = "completion"
+
+
+class ChatUser(VramgateUser):
+    """Chat completions (:func:`loadtest.payloads.chat_body`), about half of them streamed,
+    recorded as ``chat`` and ``chat_stream``."""
+
+    kind = "chat"
+
+    def send_one(self) -> None:
+        body = payloads.chat_body(self.rng)
+        self.send("chat_stream" if body["stream"] else "chat", body, route_kind="chat")
 
 
 class AbortingUser(VramgateUser):
@@ -228,6 +251,15 @@ class IdempotentRetryUser(VramgateUser):
                     and _header(replay, "idempotent-replayed") == "true")
             _check("replay_identical", same, f"{again.value}, replayed header "
                    f"{_header(replay, 'idempotent-replayed')!r}")
+
+
+def _body(response: Any) -> bytes | None:
+    """The response body, or ``None`` when none came or reading it failed (the failure is
+    locust's ``request_meta["exception"]``)."""
+    try:
+        return response.content
+    except FAILURE_EXCEPTIONS:
+        return None
 
 
 def _header(response: Any, name: str) -> str | None:

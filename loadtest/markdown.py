@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from loadtest.outcomes import Outcome
 from loadtest.scenarios import BASELINES, MIXES, SHAPES, SPIKE_MULTIPLE
 from loadtest.summary import markdown_table
 
@@ -67,41 +68,57 @@ def _count_500(row: Mapping[str, Any]) -> int:
     return sum(n for code, n in row.get("status_codes", {}).items() if code.startswith("500"))
 
 
+def _name(section: Mapping[str, Any]) -> str:
+    """The workload's name in labels and file names (its engine's, before workloads had
+    names)."""
+    return section.get("name") or section["engine"]
+
+
+def _throughput_verdict(section: Mapping[str, Any], budget: Mapping[str, Any],
+                        sem: Mapping[str, Any]) -> str:
+    """Budget vs semaphore(1): zero OOMs and 500s, and the throughput ratio at least the
+    workload's ``goal`` (without one: not told apart from, or above, semaphore(1))."""
+    safe = budget["oom"] == 0 and budget["replica_ooms"] == 0 and _count_500(budget) == 0
+    ratio = budget["throughput_rps"] / max(sem["throughput_rps"], 1e-9)
+    goal = section.get("goal")
+    if goal is not None:
+        verdict = "holds" if safe and ratio >= goal else "DOES NOT hold"
+    elif not safe or ratio < 1 / SAME_THROUGHPUT_RATIO:
+        verdict = "DOES NOT hold"
+    elif ratio < SAME_THROUGHPUT_RATIO:
+        verdict = (f"zero OOMs and 500s hold; the throughputs are within "
+                   f"{SAME_THROUGHPUT_RATIO - 1:.0%} of each other (not told apart: "
+                   "see the notes)")
+    else:
+        verdict = "holds"
+    goal_text = "" if goal is None else f", goal >= {goal:g}x"
+    return (f"- {_name(section)}, `{section['mix']}` mix: budget has {budget['oom']} OOM "
+            f"503s ({budget['replica_ooms']} on the replica), {_count_500(budget)} 500s, "
+            f"{budget['throughput_rps']} req/s vs semaphore(1) {sem['throughput_rps']} "
+            f"req/s ({ratio:.2f}x{goal_text}): {verdict}.")
+
+
 def verdicts(report: Mapping[str, Any]) -> list[str]:
     """The issue's done-when conditions, each with its figures and ``holds`` / ``DOES NOT
     hold``."""
     lines = []
     for section in report["workloads"]:
+        name = _name(section)
         budget, sem = _row(section, "budget"), _row(section, "semaphore(1)")
-        none, slots = _row(section, "none"), _row(section, "slots")
         if budget and sem:
-            safe = budget["oom"] == 0 and budget["replica_ooms"] == 0 and _count_500(budget) == 0
-            ratio = budget["throughput_rps"] / max(sem["throughput_rps"], 1e-9)
-            if not safe or ratio < 1 / SAME_THROUGHPUT_RATIO:
-                verdict = "DOES NOT hold"
-            elif ratio < SAME_THROUGHPUT_RATIO:
-                verdict = (f"zero OOMs and 500s hold; the throughputs are within "
-                           f"{SAME_THROUGHPUT_RATIO - 1:.0%} of each other (not told apart: "
-                           "see the notes)")
-            else:
-                verdict = "holds"
-            lines.append(
-                f"- {section['engine']}, heterogeneous mix: budget has {budget['oom']} OOM "
-                f"503s ({budget['replica_ooms']} on the replica), {_count_500(budget)} 500s, "
-                f"{budget['throughput_rps']} req/s vs semaphore(1) {sem['throughput_rps']} "
-                f"req/s ({ratio:.2f}x): {verdict}.")
-        for row in (none, slots):
+            lines.append(_throughput_verdict(section, budget, sem))
+        for row in (_row(section, "none"), _row(section, "slots")):
             if row:
                 shows = row["oom"] > 0 or row["replica_ooms"] > 0
                 lines.append(
-                    f"- {section['engine']}, {row['baseline']} "
+                    f"- {name}, {row['baseline']} "
                     f"(max_ongoing_requests {row.get('ray_max_ongoing')}): "
                     f"{row['oom']} OOM 503s, {row['replica_ooms']} OOMs on the replica: "
                     f"{'shows OOMs' if shows else 'no OOMs (see the notes)'}.")
         for spike in section["spikes"]:
             all_503 = spike["non_2xx_all_503_retry_after"]
             lines.append(
-                f"- {section['engine']}, {SPIKE_MULTIPLE:g}x spike, {spike['baseline']}: "
+                f"- {name}, {SPIKE_MULTIPLE:g}x spike, {spike['baseline']}: "
                 f"{spike['non_2xx']} non-2xx, "
                 f"{'all' if all_503 else 'NOT all'} 503 with Retry-After "
                 f"({spike['refused']} refused + {spike['oom']} oom); p99 of admitted "
@@ -112,22 +129,39 @@ def verdicts(report: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+CONTRACT_CHECKS = (
+    "Request ids not echoed (`X-Request-Id`), 503s without a valid `Retry-After`, "
+    "idempotent replays answered identically (`Idempotent-Replayed: true`, same body), "
+    "streamed answers complete (of the 200s: ending with `data: [DONE]`, a `finish_reason`, "
+    "no in-band error; a status `200 stream <problem>` is one that was not), retries after "
+    "`Retry-After` with the same `Idempotency-Key`, every status seen (`0` = no answer: the "
+    "aborting clients' socket timeouts), and what DESIGN.md's idle invariants found once the "
+    "load stopped (reserved bytes, queue, leases, running inferences, charged == released).")
+CONTRACT_COLUMNS = (
+    ("run", "run"), ("requests", "requests"), ("ids", "ids not echoed"),
+    ("ra", "503 without Retry-After"), ("replays", "replays identical"),
+    ("streams", "streams complete"), ("retry_after", "Retry-After s min / median / max"),
+    ("retries", "keyed retries"), ("codes", "statuses"), ("leaks", "idle after"))
+
+
 def _contract_rows(report: Mapping[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for section in report["workloads"]:
         for row in [*section["rows"], *section["spikes"]]:
             audit = row.get("audit", {})
             replays = audit.get("replay_identical", 0) + audit.get("not_replay_identical", 0)
+            streams = audit.get("stream_complete", 0) + audit.get("not_stream_complete", 0)
             waits = sorted(int(k) for k, n in row.get("retry_after_s", {}).items()
                            for _ in range(n) if k.isdigit())
             rows.append({
-                "run": f"{section['engine']} {row['shape']} {row['baseline']}",
+                "run": f"{_name(section)} {row['shape']} {row['baseline']}",
                 "retry_after": (f"{waits[0]} / {waits[len(waits) // 2]} / {waits[-1]}"
                                 if waits else "-"),
                 "requests": audit.get("requests", 0),
                 "ids": audit.get("not_request_id_echoed", 0),
                 "ra": audit.get("not_503_with_retry_after", 0),
                 "replays": f"{audit.get('replay_identical', 0)} / {replays}",
+                "streams": f"{audit.get('stream_complete', 0)} / {streams}",
                 "retries": audit.get("idempotent_retries", 0),
                 "codes": ", ".join(f"{k}: {v}" for k, v in sorted(
                     row.get("status_codes", {}).items())),
@@ -147,7 +181,7 @@ def render(report: Mapping[str, Any], out_dir: Path, page_dir: Path) -> str:
         "Generated by `" + report["command"] + "` "
         f"({report['elapsed_s'] / 60:.0f} min, {m['date']}); do not edit by hand: change "
         "`loadtest/` and run it again. `python -m loadtest.run report --quick` is a "
-        "~2-minute smoke run of the fake-engine part (written to `loadtest/results/quick/`).",
+        "~6-minute smoke run of the fake-engine part (written to `loadtest/results/quick/`).",
         "",
         f"**Machine:** {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB RAM, "
         f"{m['os']}; Python {m['python']}, Ray {m['ray']}, locust {m['locust']}, torch "
@@ -166,18 +200,9 @@ def render(report: Mapping[str, Any], out_dir: Path, page_dir: Path) -> str:
     lines += [
         "## Contract checks (every run)",
         "",
-        "Request ids not echoed (`X-Request-Id`), 503s without a valid `Retry-After`, "
-        "idempotent replays answered identically (`Idempotent-Replayed: true`, same body), "
-        "retries after `Retry-After` with the same `Idempotency-Key`, every status seen "
-        "(`0` = no answer: the aborting clients' socket timeouts), and what DESIGN.md's idle "
-        "invariants found once the load stopped (reserved bytes, queue, leases, running "
-        "inferences, charged == released).",
+        CONTRACT_CHECKS,
         "",
-        markdown_table(_contract_rows(report), (
-            ("run", "run"), ("requests", "requests"), ("ids", "ids not echoed"),
-            ("ra", "503 without Retry-After"), ("replays", "replays identical"),
-            ("retry_after", "Retry-After s min / median / max"), ("retries", "keyed retries"),
-            ("codes", "statuses"), ("leaks", "idle after"))),
+        markdown_table(_contract_rows(report), CONTRACT_COLUMNS),
         "",
         *NOTES,
     ]
@@ -215,8 +240,34 @@ def _method_lines(report: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def _kind_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Per request kind (locust's entries), each steady run's 2xx as ``count: p50 / p99 ms``
+    with its refusals and failures (:mod:`loadtest.outcomes`); nothing for rows without
+    ``by_kind``."""
+    kinds = sorted({kind for row in rows for kind in row.get("by_kind", {})})
+    if not kinds:
+        return []
+    table = []
+    for kind in kinds:
+        entry = {"kind": f"`{kind}`"}
+        for row in rows:
+            figures = row.get("by_kind", {}).get(kind, {})
+            ok = figures.get(Outcome.OK.value, {})
+            refused = figures.get(Outcome.REFUSED.value, {}).get("count", 0)
+            failed = sum(f["count"] for o, f in figures.items() if Outcome(o).is_failure)
+            entry[row["baseline"]] = (f"{ok.get('count', 0)}: {ok.get('p50_ms') or '-'} / "
+                                      f"{ok.get('p99_ms') or '-'}, {refused} refused, "
+                                      f"{failed} failed")
+        table.append(entry)
+    return ["Per request kind (`chat_stream`: streamed chat answers, timed to their last "
+            "event): each baseline's 2xx as count: p50 / p99 ms, then its refusals and "
+            "failures.", "",
+            markdown_table(table, [("kind", "kind"), *((r["baseline"], r["baseline"])
+                                                       for r in rows)]), ""]
+
+
 def _section_lines(section: Mapping[str, Any], img: Any) -> list[str]:
-    engine = section["engine"]
+    engine = _name(section)
     slots = section.get("slots") or {}
     lines = [f"## {section['title']}", "",
              f"Config `{section['config']}`, mix `{section['mix']}`, steady shape for "
@@ -233,6 +284,7 @@ def _section_lines(section: Mapping[str, Any], img: Any) -> list[str]:
             f"{slots['mean_price_bytes'] / 2**20:.1f} MiB; `max_ongoing_requests` = "
             f"floor(budget / mean) = **{slots['slots']}**.", ""]
     lines += [markdown_table([_derived(r) for r in section["rows"]], STEADY_COLUMNS), "",
+              *_kind_lines(section["rows"]),
               f"![{engine} comparison]({img(f'{engine}-steady-comparison.png')})", ""]
     for row in section["rows"]:
         lines.append(f"![{engine} {row['baseline']}]({img(row['label'] + '.png')})")
@@ -260,8 +312,8 @@ NOTES: Sequence[str] = (
     "",
     "- **Why the fake card is 6 GiB.** `loadtest/configs/fake_small_card.yaml`: capacity "
     "6 GiB, weights 1 GiB, 1 MiB per token, so 5 GiB are free and the budget is 4.5 GiB "
-    "(safety factor 0.9). The largest request the limits allow (8 x (256 + 128) tokens = "
-    "3 GiB) fits, so every policy's replica starts. A long request of the load test (4 inputs "
+    "(safety factor 0.9). The largest request the limits allow (8 x (256 + 256) tokens = "
+    "4 GiB) fits, so every policy's replica starts. A long request of the load test (4 inputs "
     "of up to 222 tokens, priced padded to 224) costs 896 MiB: the budget runs five at once, "
     "but one full batch of them (32 inputs, 7 GiB) overruns the 5 GiB left on the card, and "
     "so does any ungated batch of more than 22 inputs padded to a long one's length.",
@@ -279,18 +331,35 @@ NOTES: Sequence[str] = (
     "its 10x spike (99 req/s offered) saturated the CPU: every answer, refusals included, "
     "took 9-19 s in the HTTP stack (admitted p99 19 s against a bound of 11 s). "
     "`max_queue_wait_s` is the default 10 s, well above the longest pass the budget allows "
-    "(4608 tokens x 0.6 ms + 30 ms = 2.8 s; 32 completions of 64 new tokens, 3.7 s).",
-    "- **Budget vs semaphore(1) throughput.** `semaphore(1)` runs one request per pass, so "
-    "each pays the fixed cost alone, and a completion pays it once per new token. The budget "
-    "runs what waited while the thread was busy as few passes as its leases allow: "
-    "embeddings together, completions together whatever their `max_tokens` (the pass "
-    "generates to the largest and cuts each row at its own). On the fake card that is what "
-    "the throughput difference is made of. MiniLM on one CPU thread is the other case: its "
-    "time goes to long inputs whose forward pass is already compute-bound, so batching buys "
-    "little there (`benchmarks/throughput.py` measures short inputs, where it does). On both, "
+    "(4608 tokens x 0.6 ms + 30 ms = 2.8 s; a decode step of 32 sequences, 49 ms).",
+    "- **Budget vs semaphore(1) throughput.** `semaphore(1)` runs one request at a time, so "
+    "each pays the fixed cost alone, and a completion or chat reply pays it once per new "
+    "token. The budget runs what waited while the thread was busy as few passes as its "
+    "leases allow: embeddings together, and completions and chat on token-level continuous "
+    "batching (`deployments/decode_loop.py`): each decode step advances every running "
+    "sequence by one token, sequences join between steps as their KV-cache leases fit and "
+    "leave when they finish, so up to `batching.max_batch_size` (32) sequences share a "
+    "step's fixed cost and an 8-token reply does not wait for a 256-token one. On the fake "
+    "card that is what the throughput difference is made of. MiniLM on one CPU thread is "
+    "the other case: its time goes to long inputs whose forward pass is already "
+    "compute-bound, so batching buys little there (`benchmarks/throughput.py` measures "
+    "short inputs, where it does). On both, "
     "the budget also runs, without OOMs, what an ungated replica runs out of memory on, and "
     "does not pad short inputs to long ones (the `none` and `slots` rows lose throughput to "
     "that).",
+    "- **Streams and chat.** A streamed answer is a 200 from its first byte, sent once its "
+    "lease is held; what goes wrong after that comes in-band and is counted by its code "
+    "(`200 stream <code>` in the statuses: other 5xx, or OOM): a wait to join the running "
+    "batch past `max_queue_wait_s` (`queue_timeout`), a reply running past "
+    "`admission.inference_timeout_s` (30 s, `inference_timeout`). Decode steps take turns "
+    "with embedding passes on the replica's one inference thread, so under the `mixed` load "
+    "a long reply advances about one token per embedding pass (up to 2.8 s each here) and "
+    "the longest chats (up to 256 new tokens) can run past 30 s: the 504s and in-band "
+    "`inference_timeout`s of those runs. On completions and chat only, the budget leases "
+    "each sequence its prompt + `max_tokens` from its start (the KV cache it may grow to), "
+    "so it runs fewer sequences at once than `none` and `slots`, whose caches hold only what "
+    "has been generated so far: its gate is fully reserved while the card is not (see the "
+    "timelines), the price of never running out of memory.",
     "- **No OOMs on the real model is expected.** On CPU the replica's \"device\" is a "
     "2 GiB share of host memory, a budget of prices measured as resident-set growth; nothing "
     "raises an out-of-memory error when an unchecked batch exceeds it (the kernel would kill "

@@ -18,6 +18,13 @@ The classes are mutually exclusive and follow CONTRACT.md's error table:
 ``aborted`` the client gave up on purpose before the answer came (the aborting users). Not a
             failure: the server's job is only to release what the request held.
 ========== =====================================================================================
+
+A streamed answer (``stream: true``, server-sent events) is a 200 from its first byte on: an
+error after it comes in-band, as a last ``data: {"error": ...}`` event before ``data:
+[DONE]`` (CONTRACT.md, ``deployments/routes/generation.py``). It is ``ok`` only when read to
+its end, it ends with ``data: [DONE]``, no event carries an error and one carried the
+``finish_reason`` (:func:`stream_problem`); otherwise ``oom`` for an in-band ``oom``, ``5xx``
+for anything else (:func:`stream_outcome`).
 """
 
 from __future__ import annotations
@@ -87,6 +94,57 @@ def classify(status: int | None, headers: Mapping[str, str], code: str | None,
     if 400 <= status < 500:
         return Outcome.CLIENT_ERROR
     return Outcome.ERROR  # 1xx/3xx: never expected here
+
+
+DONE = "[DONE]"  # the data of a stream's last event (OpenAI's)
+
+
+def sse_data(body: bytes | str) -> list[str]:
+    """The ``data`` of each server-sent event of ``body`` (an event's ``data:`` lines joined
+    by newlines), in order; an event the stream ends in the middle of (no blank line after
+    it) is dropped, as the standard says. Source:
+    https://html.spec.whatwg.org/multipage/server-sent-events.html#event-stream-interpretation
+    (one space after the colon is dropped; a blank line ends an event)."""
+    text = body.decode("utf-8", errors="replace") if isinstance(body, bytes) else body
+    events, lines = [], []
+    *complete, _unfinished = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    for line in complete:
+        if not line:
+            if lines:
+                events.append("\n".join(lines))
+            lines = []
+        elif line.startswith("data:"):
+            lines.append(line[6:] if line.startswith("data: ") else line[5:])
+    return events
+
+
+def stream_problem(body: bytes | str | None) -> str | None:
+    """What is wrong with a streamed answer read to its end: ``None`` when nothing is, else
+    the ``error.code`` of its first in-band error event (``"error"`` when it has none),
+    ``"no_done"`` when it does not end with ``data: [DONE]`` (cut short), or
+    ``"no_finish_reason"`` when no event carried a ``finish_reason``."""
+    events = sse_data(body or b"")
+    finished = False
+    for data in events[:-1] if events and events[-1] == DONE else events:
+        try:
+            event = json.loads(data)
+        except ValueError:
+            return "not_json"
+        if isinstance(event, dict) and "error" in event:
+            return error_code(data) or "error"
+        choices = event.get("choices") if isinstance(event, dict) else None
+        finished |= any(isinstance(c, dict) and c.get("finish_reason")
+                        for c in choices or ())
+    if not events or events[-1] != DONE:
+        return "no_done"
+    return None if finished else "no_finish_reason"
+
+
+def stream_outcome(problem: str | None) -> Outcome:
+    """The outcome of a 200 whose stream had ``problem`` (:func:`stream_problem`)."""
+    if problem is None:
+        return Outcome.OK
+    return Outcome.OOM if problem == "oom" else Outcome.SERVER_ERROR
 
 
 SEPARATOR = " | "

@@ -2,10 +2,11 @@
 of a mix sizes the slot-count baseline (plain Ray Serve with ``max_ongoing_requests`` = budget
 / average request price).
 
-Each body is read, tokenized and priced as the ingress does it (the engine's own front end,
-:func:`serve_app.kinds.build_request`, :func:`serve_app.pricing.estimate_units` with the cost
-model the replicas publish in ``/v1/status``: the lease a replica takes for it), on a seeded
-sample of each kind of body the mix sends.
+Each body is read, tokenized (a chat body's messages by the chat template) and priced as the
+ingress does it (the engine's own front end, :func:`serve_app.kinds.build_request`,
+:func:`serve_app.pricing.estimate_units` with the cost model the replicas publish in
+``/v1/status``: the lease a replica takes for it), on a seeded sample of each kind of body the
+mix sends.
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ def slots_for(raw_args: dict[str, Any], statuses: Sequence[dict[str, Any]], mix:
     prices: dict[str, list[int]] = {}
     for kind in shares:
         for _ in range(SAMPLES_PER_KIND):
-            route_kind, texts, params = payloads.request_of(payloads.BODIES[kind](rng))
-            request = build_request(route_kind, front.tokenize(texts), params, False, args,
-                                    front.max_seq_tokens)
+            route_kind, ids, params, stream = payloads.tokenized(front,
+                                                                payloads.BODIES[kind](rng))
+            request = build_request(route_kind, ids, params, stream, args, front.max_seq_tokens)
             price = estimate_units(published, request.shape, policy)
             if price is None:
                 raise ValueError("no replica published a fitted cost model")

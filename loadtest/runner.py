@@ -278,7 +278,7 @@ def run_spec(spec: RunSpec, base_url: str, results: Path) -> dict[str, Any]:
            "max_ongoing_requests": spec.max_ongoing_requests, "ray_max_ongoing": ray_max_ongoing,
            **run_row(outcomes, before, after, max_wait_s),
            "leaks": idle_problems(status_after), "audit": outcomes.get("audit", {}),
-           "status_codes": outcomes.get("status_codes", {}),
+           "status_codes": outcomes.get("status_codes", {}), "by_kind": outcomes["by_kind"],
            "retry_after_s": outcomes.get("retry_after_s", {}),
            "scrape_errors": scraper.errors}
     (out_dir / "status.json").write_text(json.dumps(

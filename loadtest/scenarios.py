@@ -97,16 +97,19 @@ class Mix:
 
 
 MIXES: dict[str, Mix] = {mix.name: mix for mix in (
-    Mix("mixed", "heterogeneous: short, long and mixed-length embeddings, completions, "
-        "idempotent retries, clients that abort",
+    Mix("mixed", "heterogeneous: short, long and mixed-length embeddings, completions, chat "
+        "(streamed and not), idempotent retries, clients that abort",
         {"ShortEmbedUser": 6, "LongEmbedUser": 2, "MixedEmbedUser": 2, "CompletionUser": 2,
-         "IdempotentRetryUser": 1, "AbortingUser": 1}),
-    Mix("mixed_embed", "as `mixed` without completions (for an embedding-only model)",
+         "ChatUser": 2, "IdempotentRetryUser": 1, "AbortingUser": 1}),
+    Mix("mixed_embed", "as `mixed` without completions and chat (for an embedding-only "
+        "model)",
         {"ShortEmbedUser": 6, "LongEmbedUser": 2, "MixedEmbedUser": 2,
          "IdempotentRetryUser": 1, "AbortingUser": 1}),
     Mix("short", "short single-sentence embeddings only", {"ShortEmbedUser": 1}),
     Mix("long", "long 4-input embeddings only", {"LongEmbedUser": 1}),
     Mix("completions", "completions only", {"CompletionUser": 1}),
+    Mix("chat", "completions and chat only (chat streamed and not, max_tokens 8-256)",
+        {"CompletionUser": 1, "ChatUser": 1}),
 )}
 
 
@@ -114,7 +117,8 @@ MIXES: dict[str, Mix] = {mix.name: mix for mix in (
 # :data:`loadtest.payloads.BODIES`): what the slot-count baseline averages prices over.
 USER_KINDS: dict[str, str] = {
     "ShortEmbedUser": "short", "LongEmbedUser": "long", "MixedEmbedUser": "mixed",
-    "CompletionUser": "completion", "IdempotentRetryUser": "mixed", "AbortingUser": "long"}
+    "CompletionUser": "completion", "ChatUser": "chat", "IdempotentRetryUser": "mixed",
+    "AbortingUser": "long"}
 
 
 def kind_shares(mix: Mix) -> dict[str, float]:

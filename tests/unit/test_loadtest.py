@@ -152,9 +152,10 @@ def test_mixes_name_known_user_classes_and_bodies() -> None:
 
 
 def test_kind_shares_follow_the_weights() -> None:
-    shares = kind_shares(MIXES["mixed"])  # 6 short, 2 long + 1 abort, 2 mixed + 1 keyed, 2
-    assert shares == pytest.approx({"short": 6 / 14, "long": 3 / 14, "mixed": 3 / 14,
-                                    "completion": 2 / 14})
+    # 6 short, 2 long + 1 abort, 2 mixed + 1 keyed, 2 completion, 2 chat
+    shares = kind_shares(MIXES["mixed"])
+    assert shares == pytest.approx({"short": 6 / 16, "long": 3 / 16, "mixed": 3 / 16,
+                                    "completion": 2 / 16, "chat": 2 / 16})
     assert sum(shares.values()) == pytest.approx(1.0)
 
 
@@ -180,31 +181,34 @@ def test_apply_overrides_sets_dotted_keys_without_touching_the_input() -> None:
 # --- request bodies -------------------------------------------------------------------------
 
 
-LOAD_TEST_LIMITS = {"max_inputs": 8, "max_input_tokens": 256, "max_tokens": 128}
-
-
-def test_bodies_stay_within_the_load_test_limits() -> None:
+def _shape_on_the_card(body: dict) -> tuple[int, int, int]:
+    """``(inputs, longest input's tokens, max_tokens)`` of ``body`` as the fake card's ingress
+    builds it (``build_request`` refuses what exceeds a limit of the load-test config)."""
     from deployments.engines.words import WordFrontEnd
+    from loadtest.runner import config_args
     from serve_app.config import parse_args
     from serve_app.kinds import build_request
 
-    args = parse_args({"model": {"task": "fake"}, "limits": LOAD_TEST_LIMITS})
-    front = WordFrontEnd(2048)  # the fake engine's: words + 2 special tokens
+    args = parse_args(config_args("loadtest/configs/fake_small_card.yaml"))
+    front = WordFrontEnd(args.fake.max_seq_tokens)  # words + 2 special tokens
+    kind, ids, params, stream = payloads.tokenized(front, body)
+    request = build_request(kind, ids, params, stream, args, front.max_seq_tokens)
+    return len(ids), max(request.token_counts), params.max_tokens if params else 0
 
-    def shape(body: dict) -> tuple[int, int, int]:
-        kind, texts, params = payloads.request_of(body)
-        ids = front.tokenize(texts)  # build_request refuses what exceeds a limit
-        request = build_request(kind, ids, params, False, args, front.max_seq_tokens)
-        return len(ids), max(request.token_counts), params.max_tokens if params else 0
 
+def test_bodies_stay_within_the_load_test_limits() -> None:
     rng = random.Random(1)
     for kind, make in payloads.BODIES.items():
         for _ in range(200):
-            inputs, longest, new = shape(make(rng))
-            assert 1 <= inputs <= 8 and 1 <= longest <= 256 and 0 <= new <= 128, kind
-    assert shape({"input": "a b c"}) == (1, 5, 0)
-    assert shape({"input": ["a", "a b c d"]}) == (2, 6, 0)
-    assert shape({"prompt": "a b", "max_tokens": 40}) == (1, 4, 40)
+            inputs, longest, new = _shape_on_the_card(make(rng))
+            assert 1 <= inputs <= 8 and 1 <= longest <= 256 and 0 <= new <= 256, kind
+    assert _shape_on_the_card({"input": "a b c"}) == (1, 5, 0)
+    assert _shape_on_the_card({"input": ["a", "a b c d"]}) == (2, 6, 0)
+    assert _shape_on_the_card({"prompt": "a b", "max_tokens": 40}) == (1, 4, 40)
+    # "system: a b" / "user: c" / "assistant:": 6 words + 2 special tokens
+    chat = {"messages": [{"role": "system", "content": "a b"},
+                         {"role": "user", "content": "c"}], "max_tokens": 256}
+    assert _shape_on_the_card(chat) == (1, 8, 256)
     assert payloads.request_of({"prompt": "a b", "max_tokens": 40, "temperature": 0}) == \
         ("generate", ["a b"], GenerationParams(max_tokens=40, temperature=0.0))
 
@@ -353,12 +357,13 @@ def test_verdicts_say_whether_each_condition_holds() -> None:
     spike = {"baseline": "budget", "non_2xx": 40, "non_2xx_all_503_retry_after": True,
              "refused": 40, "oom": 0, "p99_ms": 7000, "latency_bound_ms": 6000,
              "max_queue_wait_s": 2.0, "inference_p99_s": 4.0, "within_bound": False}
-    report = {"workloads": [{"engine": "fake", "spikes": [spike], "rows": [
+    report = {"workloads": [{"engine": "fake", "mix": "mixed", "spikes": [spike], "rows": [
         _row("budget", 4.6), _row("semaphore(1)", 2.4), _row("none", 3.8, oom=30,
                                                              replica_ooms=3),
         _row("slots", 4.0, status_codes={"500 internal_error": 1})]}]}
     lines = verdicts(report)
-    assert lines[0].endswith("4.6 req/s vs semaphore(1) 2.4 req/s (1.92x): holds.")
+    assert lines[0] == ("- fake, `mixed` mix: budget has 0 OOM 503s (0 on the replica), 0 500s, "
+                        "4.6 req/s vs semaphore(1) 2.4 req/s (1.92x): holds.")
     assert lines[1].endswith("30 OOM 503s, 3 OOMs on the replica: shows OOMs.")
     assert lines[2].endswith("no OOMs (see the notes).")
     assert lines[3].endswith("DOES NOT hold.") and "p99 of admitted 7000 ms" in lines[3]
@@ -378,7 +383,11 @@ def test_render_links_the_plots_and_lists_every_run(tmp_path) -> None:
     row = {**_row("budget", 4.0), "label": "fake-steady-budget", "shape": "steady",
            "offered_rps": 6.0, "p50_ms": 100, "p99_ms": 900, "refused": 3, "5xx": 0,
            "4xx": 0, "error": 0, "aborted": 1, "leaks": [],
-           "audit": {"requests": 10, "replay_identical": 2}, "retry_after_s": {"1": 2, "4": 1}}
+           "audit": {"requests": 10, "replay_identical": 2, "stream_complete": 5,
+                     "not_stream_complete": 1}, "retry_after_s": {"1": 2, "4": 1},
+           "by_kind": {"chat_stream": {"ok": {"count": 5, "p50_ms": 2100, "p99_ms": 7000},
+                                       "refused": {"count": 2}, "oom": {"count": 1}},
+                       "short": {"ok": {"count": 9, "p50_ms": 40, "p99_ms": 120}}}}
     report = {"machine": {"cpu": "cpu", "cores": 2, "memory_gib": 8, "os": "linux",
                           "python": "3.11", "ray": "2.60", "locust": "2.47", "torch": "2",
                           "date": "today"},
@@ -389,5 +398,14 @@ def test_render_links_the_plots_and_lists_every_run(tmp_path) -> None:
     page = render(report, tmp_path / "docs" / "benchmarks", tmp_path)
     assert "![fake comparison](docs/benchmarks/fake-steady-comparison.png)" in page
     assert "![fake budget](docs/benchmarks/fake-steady-budget.png)" in page
-    assert "| fake steady budget | 10 | 0 | 0 | 2 / 2 | 1 / 1 / 4 | 0 |" in page
+    assert "| fake steady budget | 10 | 0 | 0 | 2 / 2 | 5 / 6 | 1 / 1 / 4 | 0 |" in page
+    assert "| `chat_stream` | 5: 2100 / 7000, 2 refused, 1 failed |" in page  # per kind
+    assert "| `short` | 9: 40 / 120, 0 refused, 0 failed |" in page
     assert page.startswith("# Benchmarks") and "## Notes" in page
+    # a named workload's runs, files and images go by its name
+    report["workloads"][0].update(name="fake-chat", rows=[{**row, "label": "fake-chat-steady-"
+                                                           "budget"}])
+    page = render(report, tmp_path / "docs" / "benchmarks", tmp_path)
+    assert "![fake-chat comparison](docs/benchmarks/fake-chat-steady-comparison.png)" in page
+    assert "![fake-chat budget](docs/benchmarks/fake-chat-steady-budget.png)" in page
+    assert "| fake-chat steady budget | 10 |" in page
