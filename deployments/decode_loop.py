@@ -46,6 +46,7 @@ class _Sequence:
     seq_id: int
     ticket: Ticket
     on_text: Callable[[str], Any] | None
+    on_joined: Callable[[], Any] | None
     joined: asyncio.Future = field(repr=False)
     result: asyncio.Future = field(repr=False)
     enqueued_s: float = field(default_factory=time.monotonic)
@@ -102,20 +103,26 @@ class DecodeLoop:
         self._wake = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._run_forever())
 
-    async def generate(self, ticket: Ticket,
-                       on_text: Callable[[str], Any] | None = None) -> GenerationOutput:
+    async def generate(self, ticket: Ticket, on_text: Callable[[str], Any] | None = None,
+                       on_joined: Callable[[], Any] | None = None) -> GenerationOutput:
         """Run one admitted completion; ``on_text`` (on the event loop) gets each piece of
-        text as it is final. Returns its output. Leaving early (cancellation, an error) takes
-        the sequence out of the engine before the next step; its lease goes back then.
+        text as it is final, ``on_joined`` is called when it joins the running batch (a
+        stream starts its response then: refusals before it are HTTP errors). Returns its
+        output. Leaving early (cancellation, an error) takes the sequence out of the engine
+        before the next step; its lease goes back then.
+
+        ``admission.inference_timeout_s`` bounds the time without progress: from joining to
+        the first token and between two tokens (a stalled device), not the whole completion,
+        whose length the client chose with ``max_tokens`` and which shares its steps.
 
         Raises:
             OverloadedError: ``queue_timeout`` (it waited ``admission.max_queue_wait_s`` in
                 all without joining), ``oom`` (a step it was in ran out of memory),
                 ``draining``.
-            InferenceTimeoutError: it ran longer than ``admission.inference_timeout_s``.
+            InferenceTimeoutError: no token came for ``admission.inference_timeout_s``.
         """
         loop = asyncio.get_running_loop()
-        sequence = _Sequence(next(self._ids), ticket, on_text, loop.create_future(),
+        sequence = _Sequence(next(self._ids), ticket, on_text, on_joined, loop.create_future(),
                              loop.create_future())
         self._waiting.append(sequence)
         self._wake.set()
@@ -126,11 +133,14 @@ class DecodeLoop:
                 await asyncio.wait_for(asyncio.shield(sequence.joined), limit_s)
             except TimeoutError:
                 raise self._thread.queue_timeout([ticket]) from None
-            try:
-                async with asyncio.timeout(admission.inference_timeout_s):
-                    return await asyncio.shield(sequence.result)
-            except TimeoutError:
-                raise self._thread.timeout_error() from None
+            while True:
+                quiet_s = time.monotonic() - sequence.last_token_s
+                done, _ = await asyncio.wait(
+                    {sequence.result}, timeout=admission.inference_timeout_s - quiet_s)
+                if done:
+                    return sequence.result.result()
+                if time.monotonic() - sequence.last_token_s >= admission.inference_timeout_s:
+                    raise self._thread.timeout_error()
         finally:
             if not sequence.result.done():
                 sequence.cancelled = True
@@ -236,6 +246,8 @@ class DecodeLoop:
             self._thread.admitted(ticket, len(rows))
             sequence.joined_s = sequence.last_token_s = now
             sequence.joined.set_result(None)
+            if sequence.on_joined is not None:
+                sequence.on_joined()
             joining.append(sequence)
         return joining
 

@@ -104,15 +104,21 @@ class RequestLifecycle:
         """
         self._accept(request)
         async with self._lease(request) as ticket:
+            if self._decode is not None:
+                async for item in self._stream_steps(ticket):
+                    yield item
+                return
             try:
                 yield {"admitted": self._admitted(ticket)}
             except BaseException:
-                self._metrics.inc("admission_decisions", outcome="cancelled",
-                                  reason="client_gone")
+                self._client_gone()
                 raise
-            stream = self._stream_steps if self._decode is not None else self._stream
-            async for item in stream(ticket):
+            async for item in self._stream(ticket):
                 yield item
+
+    def _client_gone(self) -> None:
+        """A stream's consumer left before its first item (counted as cancelled)."""
+        self._metrics.inc("admission_decisions", outcome="cancelled", reason="client_gone")
 
     @contextlib.asynccontextmanager
     async def _lease(self, request: InferenceRequest) -> AsyncIterator[Ticket]:
@@ -213,11 +219,31 @@ class RequestLifecycle:
             consumer_gone.set()
 
     async def _stream_steps(self, ticket: Ticket) -> AsyncIterator[dict[str, Any]]:
-        """As :meth:`_stream`, on the continuous-batching loop: a piece as each step makes
-        it; the sequence leaves the engine before the next step once the consumer is gone."""
+        """As :meth:`_stream`, on the continuous-batching loop: the ``admitted`` item once
+        the sequence joined the running batch (a refusal while it waits to join, such as
+        ``queue_timeout``, is raised before the first item: an HTTP error, not an event in
+        a 200 stream), then a piece as each step makes it; the sequence leaves the engine
+        before the next step once the consumer is gone."""
         pieces: asyncio.Queue[str] = asyncio.Queue()
-        task = asyncio.ensure_future(self._decode.generate(ticket, pieces.put_nowait))
+        joined = asyncio.Event()
+        task = asyncio.ensure_future(
+            self._decode.generate(ticket, pieces.put_nowait, joined.set))
         try:
+            waiter = asyncio.ensure_future(joined.wait())
+            try:
+                await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                self._client_gone()
+                raise
+            finally:
+                waiter.cancel()
+            if not joined.is_set():
+                task.result()  # its refusal; it cannot have succeeded without joining
+            try:
+                yield {"admitted": self._admitted(ticket)}
+            except BaseException:
+                self._client_gone()
+                raise
             while not task.done():
                 getter = asyncio.ensure_future(pieces.get())
                 done, _ = await asyncio.wait({getter, task},

@@ -48,9 +48,11 @@ LABELS = {"deployment": "ModelServer", "replica": "test"}
 
 
 def replica_args(max_batch_size: int = 8, max_wait_ms: float = 0.0,
-                 max_queue_wait_s: float = 60.0, continuous: bool = False) -> Any:
+                 max_queue_wait_s: float = 60.0, continuous: bool = False,
+                 inference_timeout_s: float = 30.0) -> Any:
     return parse_args({
-        "admission": {"max_queue_len": 256, "max_queue_wait_s": max_queue_wait_s},
+        "admission": {"max_queue_len": 256, "max_queue_wait_s": max_queue_wait_s,
+                      "inference_timeout_s": inference_timeout_s},
         "batching": {"max_batch_size": max_batch_size, "max_wait_ms": max_wait_ms,
                      "pad_to_multiple_of": PAD_TO, "continuous": continuous},
         "limits": {"max_input_tokens": MAX_INPUT_TOKENS, "max_tokens": MAX_TOKENS}})
@@ -63,12 +65,14 @@ class Replica:
 
     def __init__(self, budget_bytes: int, max_batch_size: int, max_wait_ms: float = 0.0,
                  sleep=time.sleep, latency_per_token_s: float = 0.0,
-                 max_queue_wait_s: float = 60.0, continuous: bool = False) -> None:
+                 max_queue_wait_s: float = 60.0, continuous: bool = False,
+                 inference_timeout_s: float = 30.0) -> None:
         self.device = SimulatedDevice(capacity_bytes=budget_bytes)
         self.engine = FakeEngine(self.device, weights_bytes=0, bytes_per_token=PER_TOKEN_BYTES,
                                  latency_per_token_s=latency_per_token_s, sleep=sleep,
                                  max_seq_tokens=MAX_INPUT_TOKENS)
-        self.args = replica_args(max_batch_size, max_wait_ms, max_queue_wait_s, continuous)
+        self.args = replica_args(max_batch_size, max_wait_ms, max_queue_wait_s, continuous,
+                                 inference_timeout_s)
         self.metrics = ProcessMetrics(LABELS["deployment"], LABELS["replica"], use_ray=False)
         self.executor = ThreadPoolExecutor(max_workers=1)
         self.parts = ReplicaParts(self.engine, SimulatedDeviceProbe(self.device),

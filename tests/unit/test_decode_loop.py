@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serve_app.errors import OverloadedError
+from serve_app.errors import InferenceTimeoutError, OverloadedError
 from serve_app.request import GenerationOutput, GenerationParams
 from tests.unit.conftest import assert_idle, completion_of
 from tests.unit.test_batcher import PER_TOKEN_BYTES, Replica, reference_engine, words
@@ -141,6 +141,54 @@ async def test_an_oom_in_a_step_fails_its_sequences_and_the_replica_serves_on() 
         assert_idle(replica.gate.queue)
         after = await complete(replica, words(3, 9), params)
         assert after == reference_engine().generate(words(3, 9), params)
+    finally:
+        replica.close()
+
+
+async def test_a_stream_that_cannot_join_in_time_is_refused_before_its_first_item() -> None:
+    # One sequence at a time, steps of ~10 ms: a second stream waits to join past its
+    # 0.2 s bound while a 50-token completion runs.
+    replica = continuous_replica(max_batch_size=1, latency_per_token_s=0.01,
+                                 max_queue_wait_s=0.2)
+    try:
+        long = asyncio.create_task(complete(replica, words(3, 1), GenerationParams(
+            max_tokens=50, temperature=0.0)))
+        while replica.parts.decode.steps < 1:
+            await asyncio.sleep(0.001)
+        request = replica.request("generate", [words(3, 2)],
+                                  GenerationParams(max_tokens=4, temperature=0.0), True)
+        stream = replica.parts.lifecycle.infer_stream(request)
+        with pytest.raises(OverloadedError) as refused:
+            await stream.__anext__()  # nothing was sent: an HTTP 503, not a stream event
+        assert refused.value.code == "queue_timeout"
+        assert refused.value.retry_after_s >= 1
+        long.cancel()
+        await asyncio.gather(long, return_exceptions=True)
+    finally:
+        replica.close()
+
+
+async def test_the_inference_timeout_bounds_a_stall_not_a_long_completion() -> None:
+    # 0.3 s without a token is a stall (504); 50 tokens of ~7 ms each take longer in all
+    # and succeed.
+    replica = continuous_replica(latency_per_token_s=0.007, inference_timeout_s=0.3)
+    try:
+        params = GenerationParams(max_tokens=50, temperature=0.0)
+        started = asyncio.get_running_loop().time()
+        output = await complete(replica, words(3, 1), params)
+        assert asyncio.get_running_loop().time() - started > 0.3
+        assert output.completion_tokens == 50
+        replica.engine.hang_probability, replica.engine.hang_s = 1.0, 0.6
+        with pytest.raises(InferenceTimeoutError):
+            await complete(replica, words(3, 2), params)
+        replica.engine.hang_probability = 0.0
+        await replica.settle()  # the hung step returns; the sequence leaves at the next
+        for _ in range(200):
+            if replica.gate.budget.reserved_bytes == 0:
+                break
+            await asyncio.sleep(0.005)
+        assert_idle(replica.gate.queue)
+        assert replica.device.allocated_bytes == 0
     finally:
         replica.close()
 
