@@ -107,9 +107,11 @@ class EmbedKind(RequestKind):
 
 
 class GenerateKind(RequestKind):
-    """``POST /v1/completions``: one prompt, priced with the ``max_tokens`` its KV cache
-    grows to. Batched with others of the same ``temperature`` and ``top_p`` when not
-    streamed and without stop strings or seed (one left-padded ``generate``)."""
+    """``POST /v1/completions`` and ``/v1/chat/completions``: one prompt, priced with the
+    ``max_tokens`` its KV cache grows to. On continuous batching (``batching.continuous``)
+    every completion shares decode steps and its ``batch_key`` is not read; otherwise it is
+    batched with others of the same ``temperature`` and ``top_p`` when not streamed and
+    without stop strings or seed (one left-padded ``generate``)."""
 
     name = "generate"
     field = "prompt"

@@ -12,6 +12,9 @@ it from one inference thread only (never concurrently):
   requests of that kind that share a batch key (``[one]`` when it runs alone), returning one
   output per request (:class:`serve_app.request.EmbeddingOutput`, ``GenerationOutput``);
 - ``stream_<kind>(request, on_text)`` for kinds that stream (``generate``);
+- for continuous batching of a generating kind, ``decode_steps = True`` and the calls of
+  :class:`deployments.engines.stepping.DecodeStepper` (``decode_step`` and its KV figures);
+  without them completions run as whole passes;
 - :meth:`Engine.profile_run` (one inference of exactly a shape: the profiler's unit of
   measurement), over :meth:`Engine.profile_ladder`, fitted with :attr:`Engine.fit_features`
   and cross-checked against :meth:`Engine.analytic_model`;

@@ -154,9 +154,9 @@ class DenseDecodeBatch:
 
     def _new_row(self, start: SequenceStart) -> _Row:
         params = start.params
-        stop = StopStrings(params.stop)
-        row = _Row(start, stop, None, cached=len(start.ids))
-        row.streamer = self._engine.text_streamer(stop, row.pieces.append)
+        stop, pieces = StopStrings(params.stop), []
+        row = _Row(start, stop, self._engine.text_streamer(stop, pieces.append), pieces,
+                   cached=len(start.ids))
         if params.temperature > 0 and params.seed is not None:
             row.generator = torch.Generator(device=self._engine.device)
             row.generator.manual_seed(params.seed)

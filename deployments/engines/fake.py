@@ -124,6 +124,7 @@ class FakeEngine(FakeDecodeSteps, EmbeddingRunner, GenerationRunner, Engine):
         self.costs = exact_cost_model(self.bytes_per_token, self.bytes_per_request)
         self._rng = random.Random(self.seed)
         self._poisoned = False  # set by an OOM under nan_after_oom
+        self._running = {}  # continuous batching's sequences (FakeDecodeSteps)
         self._weights: Allocation = self.device.allocate(self.weights_bytes)
 
     # --- the class: from the config's fake.* section ------------------------------------

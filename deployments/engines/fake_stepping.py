@@ -51,11 +51,7 @@ class FakeDecodeSteps:
     def kv_bytes_per_token(self) -> int:
         return self.bytes_per_token
 
-    @property
-    def _running(self) -> dict[int, _FakeSequence]:
-        if not hasattr(self, "_running_sequences"):
-            self._running_sequences: dict[int, _FakeSequence] = {}
-        return self._running_sequences
+    _running: dict[int, _FakeSequence]  # by seq_id; the engine's __post_init__ makes it
 
     def kv_tokens_held(self) -> int:
         return sum(len(s.blocks) for s in self._running.values()) * KV_BLOCK_TOKENS

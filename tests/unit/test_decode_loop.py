@@ -256,8 +256,7 @@ async def _random_traffic(requests) -> None:
         replica.close()
 
 
-@pytest.mark.parametrize("field", ["blocks_leased", "blocks_in_use"])
-async def test_status_counts_kv_blocks_of_running_sequences(field) -> None:
+async def test_status_counts_kv_blocks_of_running_sequences() -> None:
     replica = continuous_replica()
     try:
         task = asyncio.create_task(complete(replica, words(14, 5), GenerationParams(
@@ -270,7 +269,7 @@ async def test_status_counts_kv_blocks_of_running_sequences(field) -> None:
         replica.close()
     # 16 prompt tokens (14 words, BOS, EOS) + 40: 56 tokens leased = 4 blocks; after two
     # steps the cache holds 16 + 2 = 18 tokens = 2 blocks.
-    assert figures[field] == {"blocks_leased": 4, "blocks_in_use": 2}[field]
+    assert (figures["blocks_leased"], figures["blocks_in_use"]) == (4, 2)
     assert figures["block_tokens"] == 16
     assert figures["block_bytes"] == 16 * PER_TOKEN_BYTES
     assert figures["blocks_total"] == BUDGET_BYTES // (16 * PER_TOKEN_BYTES)
