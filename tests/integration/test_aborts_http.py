@@ -27,29 +27,37 @@ def app(deploy):
 
 
 async def test_a_thousand_random_aborts_leave_nothing_behind(app):
+    # Nine clients in ten give up at a random moment (queued, running, or just arriving);
+    # the tenth waits for its answer, so that some requests run to the end whatever the
+    # machine's speed (a fixed count of impatient clients served depended on it: 7 of 1,000
+    # on a slow CI run).
     rng = random.Random(7)
     outcomes: dict[str, int] = {}
     async with httpx.AsyncClient(base_url=app.base_url, timeout=30,
                                  limits=httpx.Limits(max_connections=200)) as http:
 
-        async def one() -> None:
+        async def one(patient: bool) -> None:
             words = " ".join(["w"] * rng.randint(1, 18))
             call = asyncio.create_task(http.post("/v1/embeddings", json={"input": words}))
-            await asyncio.sleep(rng.uniform(0, 2.0))  # the moment the client gives up
-            if call.done():
-                key = str(call.result().status_code)
+            if patient:
+                key = f"patient {(await call).status_code}"
             else:
-                call.cancel()
-                await asyncio.gather(call, return_exceptions=True)
-                key = "aborted"
+                await asyncio.sleep(rng.uniform(0, 2.0))  # the moment the client gives up
+                if call.done():
+                    key = str(call.result().status_code)
+                else:
+                    call.cancel()
+                    await asyncio.gather(call, return_exceptions=True)
+                    key = "aborted"
             outcomes[key] = outcomes.get(key, 0) + 1
 
         for _ in range(5):  # 5 rounds of 200 concurrent clients
-            await asyncio.gather(*(one() for _ in range(200)))
+            await asyncio.gather(*(one(patient=i % 10 == 0) for i in range(200)))
     print(f"\n1000 clients: {outcomes}")
     assert sum(outcomes.values()) == 1000
-    assert set(outcomes) <= {"200", "503", "aborted"}
-    assert outcomes.get("aborted", 0) > 100 and outcomes.get("200", 0) > 10
+    assert set(outcomes) <= {"200", "503", "aborted", "patient 200", "patient 503"}
+    assert outcomes.get("patient 200", 0) + outcomes.get("patient 503", 0) == 100
+    assert outcomes.get("aborted", 0) > 100 and outcomes.get("patient 200", 0) > 0
     [replica] = app.check_invariants()
     assert replica["charged_bytes_total"] == replica["released_bytes_total"]
 
