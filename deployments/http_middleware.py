@@ -1,6 +1,6 @@
-"""The ingress's request guards: the body limit and HTTP metrics (plain ASGI middlewares; no
-``BaseHTTPMiddleware``: it would buffer streamed responses), and the API key (a FastAPI
-dependency of every route)."""
+"""The ingress's request guards: the body limit, HTTP metrics and ``HEAD`` answered as ``GET``
+(plain ASGI middlewares; no ``BaseHTTPMiddleware``: it would buffer streamed responses), and
+the API key (a FastAPI dependency of every route)."""
 
 from __future__ import annotations
 
@@ -44,6 +44,30 @@ class HttpMetricsMiddleware:
             self._metrics.inc("http_requests", route=route, status=str(status))
             self._metrics.observe("http_request_seconds", time.monotonic() - started,
                                   route=route)
+
+
+class HeadMiddleware:
+    """Answers ``HEAD`` on every ``GET`` route as ``GET`` does, without the body (RFC 9110
+    9.3.2: the same status and headers, ``Content-Length`` included): load balancers and uptime
+    monitors probe ``/healthz`` and ``/readyz`` with ``HEAD``, which FastAPI's ``GET`` routes
+    would refuse with 405. The OpenAPI document keeps listing ``GET`` only."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self._app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self._app(scope, receive, send)
+            return
+
+        async def send_without_body(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                if message.get("more_body", False):
+                    return  # one empty body message, at the end
+                message = {"type": "http.response.body", "body": b"", "more_body": False}
+            await send(message)
+
+        await self._app({**scope, "method": "GET"}, receive, send_without_body)
 
 
 class BodyLimitMiddleware:

@@ -23,7 +23,12 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.engines.registry import engine_class
 from deployments.http_errors import error_response, install_error_handlers
-from deployments.http_middleware import BearerAuth, BodyLimitMiddleware, HttpMetricsMiddleware
+from deployments.http_middleware import (
+    BearerAuth,
+    BodyLimitMiddleware,
+    HeadMiddleware,
+    HttpMetricsMiddleware,
+)
 from deployments.idempotency_guard import IdempotencyGuard
 from deployments.model_client import ModelClient
 from deployments.openapi import responses
@@ -82,6 +87,7 @@ class Ingress:
                       dependencies=[Depends(BearerAuth(args.auth.resolved_key()))])
         app.add_middleware(BodyLimitMiddleware, max_body_bytes=args.limits.max_body_bytes)
         app.add_middleware(HttpMetricsMiddleware, metrics=self._metrics)
+        app.add_middleware(HeadMiddleware)  # outermost: the others see a GET
         install_error_handlers(app)
         for route in ROUTES:
             if route.kind in self._engine.kinds:
@@ -123,11 +129,13 @@ class Ingress:
         return Response(merge_expositions(texts), media_type=CONTENT_TYPE_LATEST)
 
     async def healthz(self) -> dict[str, str]:
-        """``GET /healthz``: 200 while the ingress runs."""
+        """``GET /healthz`` (and ``HEAD``, :class:`HeadMiddleware`): 200 while the ingress
+        runs."""
         return {"status": "ok"}
 
     async def readyz(self) -> JSONResponse:
-        """``GET /readyz``: 200 once a model replica has loaded and measured its model."""
+        """``GET /readyz`` (and ``HEAD``): 200 once a model replica has loaded and measured its
+        model, 503 ``no_replicas`` before."""
         states = await self._replicas.states()
         if not states:
             return error_response(OverloadedError(

@@ -13,6 +13,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from deployments.http_errors import as_serve_app_error
+from deployments.ray_compat import replica_assigned
 from deployments.replica_view import ReplicaView
 from serve_app.errors import OverloadedError, ServeAppError
 from serve_app.metrics import ProcessMetrics
@@ -83,10 +84,14 @@ class ModelClient:
         ``queue_timeout`` with ``Retry-After``. Other failures (back-pressure, no replica)
         are left to surface when the response is awaited.
 
-        Uses ``DeploymentResponse._fetch_future_result_async`` (Ray Serve 2.60, pinned): it
-        resolves once a replica was chosen and the request sent, which no public API tells.
+        When a replica was chosen is told by a private Ray method, on the Ray versions it was
+        checked on only (:mod:`deployments.ray_compat`); elsewhere this returns at once and
+        the replica alone bounds the wait (``sent_at_s``).
         """
-        assigned = asyncio.ensure_future(response._fetch_future_result_async())
+        awaitable = replica_assigned(response)
+        if awaitable is None:
+            return
+        assigned = asyncio.ensure_future(awaitable)
         try:
             done, _ = await asyncio.wait({assigned}, timeout=self._max_queue_wait_s)
         except asyncio.CancelledError:  # the client left: so does the request

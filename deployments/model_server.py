@@ -21,10 +21,12 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments.fail_fast import REFUSALS, stop_serve_run_with
 from deployments.profiling import measure_replica
 from deployments.registry import publish_forever
 from deployments.replica import Replica, ReplicaIdentity
 from serve_app.config import AppArgs, parse_args
+from serve_app.measurement import allocator_setting
 from serve_app.metrics import REPLICA_EVENT_COUNTERS, ProcessMetrics
 from serve_app.replica_state import ReplicaState
 from serve_app.request import InferenceRequest
@@ -50,20 +52,28 @@ class ModelServer:
     Args:
         args: the validated config.
         registry: handle to :class:`deployments.registry.ReplicaRegistry`, or ``None``.
+        plan: the deployment's plan (:meth:`serve_app.planning.DeploymentPlan.summary`),
+            shown in ``/v1/status`` as ``deployment_plan``.
 
     Raises (at start-up):
         InsufficientMemoryError: the budget cannot hold the largest allowed request.
+        OSError, DeviceUnavailableError, ConfigError: no model directory, no CUDA, an engine
+            that refuses the args. These refusals also end a waiting ``serve run``
+            (:func:`deployments.fail_fast.stop_serve_run`), since Ray's retries cannot help.
     """
 
     async def __init__(self, args: AppArgs | dict[str, Any],
-                       registry: DeploymentHandle | None = None) -> None:
+                       registry: DeploymentHandle | None = None,
+                       plan: dict[str, Any] | None = None) -> None:
         args = parse_args(args)
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference")
         loop = asyncio.get_running_loop()
         try:
             measured = await loop.run_in_executor(executor, measure_replica, args)
-        except BaseException:
+        except BaseException as exc:
             executor.shutdown(wait=False)
+            if isinstance(exc, REFUSALS):  # retrying cannot help: end a waiting serve run
+                stop_serve_run_with(f"model replica refused to start: {exc}")
             raise
         context = serve.get_replica_context()
         replica_id = context.replica_id.unique_id if context else "local"
@@ -73,7 +83,8 @@ class ModelServer:
         identity = ReplicaIdentity(
             replica_id, runtime.get_node_id(),
             tuple(str(i) for i in runtime.get_accelerator_ids().get("GPU", [])),
-            measured.memory_status(args))
+            {**measured.memory_status(args), "allocator": allocator_setting(),
+             "deployment_plan": plan})
         self._replica = Replica(
             measured.engine, measured.probe, measured.cost_model, measured.budget_bytes, args,
             executor, metrics, identity,

@@ -1,6 +1,6 @@
 """OpenAPI declarations of the ingress's routes (documentation only: the routes render their
-responses themselves, so these describe CONTRACT.md; tests/integration/test_openapi_fuzz.py
-holds the server to them)."""
+responses themselves, so these describe the README's HTTP API;
+tests/integration/test_openapi_fuzz.py holds the server to them)."""
 
 from typing import Any
 
@@ -48,7 +48,7 @@ def responses(ok: type, *errors: int, inference: bool = False,
     """OpenAPI ``responses`` of a route: 200 with the ``ok`` body (and, where ``event_stream``
     describes one, a ``text/event-stream`` alternative), each listed error status in the OpenAI
     error shape, 503 with ``Retry-After``; an ``inference`` route's responses with their
-    CONTRACT.md headers."""
+    headers (``X-Request-Id``, ``X-Queue-Wait-Ms``, ``X-Queue-Position``)."""
     common = REQUEST_ID_HEADER if inference else {}
     declared: dict[int | str, Any] = {200: {"model": ok}}
     if event_stream:  # one server-sent event, as FastAPI declares its own (`itemSchema`)

@@ -62,6 +62,7 @@ class MeasuredReplica:
             "safety_factor": args.memory.safety_factor, "budget_bytes": self.budget_bytes,
             "max_request_bytes": self.max_request_bytes,
             "profile": {**self.profile.summary(), "reused": self.reused_profile},
+            **self.engine.runtime_status(),
         }
 
 

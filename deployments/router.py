@@ -4,7 +4,7 @@ A thin adapter over :mod:`serve_app.routing` (pure scoring and bookkeeping): it 
 candidate's ``routing_stats`` and the price the ingress put on the request
 (:attr:`serve_app.request.InferenceRequest.estimated_bytes`), ranks with
 :func:`~serve_app.routing.rank_replicas`, and keeps optimistic reservations between stats
-reports. Replicas stay the authority: this only orders them (DESIGN.md, "The idea", 5).
+reports. Replicas stay the authority: this only orders them (:mod:`serve_app.routing`).
 
 Ray Serve 2.60 contract used (``ray/serve/_private/request_router/request_router.py``,
 ``ray/serve/_private/router.py``):

@@ -135,7 +135,7 @@ CONTRACT_CHECKS = (
     "streamed answers complete (of the 200s: ending with `data: [DONE]`, a `finish_reason`, "
     "no in-band error; a status `200 stream <problem>` is one that was not), retries after "
     "`Retry-After` with the same `Idempotency-Key`, every status seen (`0` = no answer: the "
-    "aborting clients' socket timeouts), and what DESIGN.md's idle invariants found once the "
+    "aborting clients' socket timeouts), and what the idle invariants found once the "
     "load stopped (reserved bytes, queue, leases, running inferences, charged == released).")
 CONTRACT_COLUMNS = (
     ("run", "run"), ("requests", "requests"), ("ids", "ids not echoed"),

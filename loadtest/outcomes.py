@@ -1,6 +1,6 @@
 """How a load-test response is classified. Pure: no locust, no HTTP client.
 
-The classes are mutually exclusive and follow CONTRACT.md's error table:
+The classes are mutually exclusive and follow the README's error table (HTTP API):
 
 ========== =====================================================================================
 ``ok``      any 2xx
@@ -21,7 +21,7 @@ The classes are mutually exclusive and follow CONTRACT.md's error table:
 
 A streamed answer (``stream: true``, server-sent events) is a 200 from its first byte on: an
 error after it comes in-band, as a last ``data: {"error": ...}`` event before ``data:
-[DONE]`` (CONTRACT.md, ``deployments/routes/generation.py``). It is ``ok`` only when read to
+[DONE]`` (README, HTTP API; ``deployments/routes/generation.py``). It is ``ok`` only when read to
 its end, it ends with ``data: [DONE]``, no event carries an error and one carried the
 ``finish_reason`` (:func:`stream_problem`); otherwise ``oom`` for an in-band ``oom``, ``5xx``
 for anything else (:func:`stream_outcome`).
@@ -51,7 +51,7 @@ class Outcome(StrEnum):
 
 def retry_after_s(headers: Mapping[str, str]) -> int | None:
     """The ``Retry-After`` header as whole seconds >= 1, or ``None`` when it is missing or not
-    such a number (an HTTP date is valid HTTP but not what CONTRACT.md promises). Header names
+    such a number (an HTTP date is valid HTTP but not what the README promises). Header names
     are matched case-insensitively."""
     value = next((v for k, v in headers.items() if k.lower() == "retry-after"), None)
     if value is None or not value.strip().isdigit():

@@ -163,8 +163,8 @@ def run_row(outcomes: Mapping[str, Any], before: Sequence[Sample], after: Sequen
 
 
 def idle_problems(replicas: Sequence[Mapping[str, Any]]) -> list[str]:
-    """What DESIGN.md's idle invariants find wrong in settled ``/v1/status`` replicas (empty:
-    nothing leaked)."""
+    """What the idle invariants (nothing reserved, queued, leased or running; charged bytes ==
+    released) find wrong in settled ``/v1/status`` replicas (empty: nothing leaked)."""
     if not replicas:
         return ["no replica published its status"]
     problems = []

@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
+import ray
 from ray.serve import Application
 
 from deployments.autoscaling import QUEUE_POLICY_CLASS_PATH
+from deployments.build_measurement import measure_before_deploy
 from deployments.engines.registry import engine_class
+from deployments.fail_fast import REFUSALS, DeploymentRefused, stop_serve_run_with
 from deployments.idempotency import IdempotencyStore
 from deployments.ingress import Ingress
 from deployments.model_server import ModelServer
 from deployments.registry import ReplicaRegistry
 from deployments.router import ROUTER_CLASS_PATH
 from serve_app.config import AppArgs, parse_args
-from serve_app.planning import plan_deployment
+from serve_app.placement import gpu_placement_problem
+from serve_app.planning import DeploymentPlan, plan_deployment
 
 logger = logging.getLogger(__name__)
 
@@ -38,16 +43,37 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     Raises:
         serve_app.config.ConfigError: unknown, misplaced or invalid keys (named in the
             message), or an engine that cannot be resolved or refuses the args.
+        DeploymentRefused: no node of the cluster can ever place a model replica.
+        InsufficientMemoryError, OSError, DeviceUnavailableError: the measurement made
+            before the deployment refused (:mod:`deployments.build_measurement`).
+
+    Every refusal is final: it is logged as one line and ends any ``serve run`` waiting on
+    this cluster (:func:`deployments.fail_fast.stop_serve_run`), which would otherwise wait
+    forever on an application that cannot deploy.
     """
-    cfg = parse_args(args)
-    plan = plan_deployment(cfg, engine_class(cfg))
+    try:
+        cfg, plan = _plan_on_cluster(parse_args(args))
+    except REFUSALS as exc:
+        stop_serve_run_with(exc)
+        raise
     logger.info("model deployment: num_gpus=%s max_ongoing_requests=%d (%s)",
                 plan.num_gpus, plan.max_ongoing_requests, plan.how)
-    dep = cfg.deployment
     logging_config = {"encoding": cfg.logging.encoding, "log_level": cfg.logging.log_level}
     registry = ReplicaRegistry.bind()
     idempotency = IdempotencyStore.bind(cfg.idempotency.ttl_s, cfg.idempotency.max_entries)
-    model = ModelServer.options(
+    model = ModelServer.options(**_model_options(cfg, plan), logging_config=logging_config,
+                                ).bind(cfg, registry, plan.summary())
+    return Ingress.options(
+        num_replicas=cfg.deployment.ingress_replicas,
+        max_ongoing_requests=cfg.deployment.ingress_max_ongoing_requests,
+        logging_config=logging_config,
+    ).bind(cfg, model, registry, idempotency)
+
+
+def _model_options(cfg: AppArgs, plan: DeploymentPlan) -> dict[str, Any]:
+    """The model deployment's Ray Serve options."""
+    dep = cfg.deployment
+    return dict(
         **_scaling_options(cfg),
         max_ongoing_requests=plan.max_ongoing_requests,
         max_queued_requests=plan.max_queued_requests,
@@ -60,14 +86,28 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         # A replica being removed gets no new requests from Ray; what it holds (running and
         # queued) finishes or times out within this, so nothing is cut off mid-inference.
         graceful_shutdown_timeout_s=(cfg.admission.max_queue_wait_s
-                                     + cfg.admission.inference_timeout_s + 5),
-        logging_config=logging_config,
-    ).bind(cfg, registry)
-    return Ingress.options(
-        num_replicas=dep.ingress_replicas,
-        max_ongoing_requests=dep.ingress_max_ongoing_requests,
-        logging_config=logging_config,
-    ).bind(cfg, model, registry, idempotency)
+                                     + cfg.admission.inference_timeout_s + 5))
+
+
+def _plan_on_cluster(cfg: AppArgs) -> tuple[AppArgs, DeploymentPlan]:
+    """The deployment plan, measured on the cluster where it can be
+    (:func:`deployments.build_measurement.measure_before_deploy`), and the args the replicas
+    get: with the measurement's profile as ``memory.profile_path``, so that a replica on a
+    node that can read it checks it against its own device instead of profiling again.
+
+    Raises:
+        DeploymentRefused: no node can ever place a replica (:mod:`deployments.fail_fast`).
+        the refusals of :data:`deployments.fail_fast.REFUSALS`, from the measurement.
+    """
+    on_ray = ray.is_initialized()
+    if on_ray and (problem := gpu_placement_problem(cfg, ray.nodes())):
+        raise DeploymentRefused(problem)
+    measurement = measure_before_deploy(cfg) if on_ray else None
+    plan = plan_deployment(cfg, engine_class(cfg), measurement)
+    if measurement is not None and measurement.profile_path:
+        memory = cfg.memory.model_copy(update={"profile_path": measurement.profile_path})
+        cfg = cfg.model_copy(update={"memory": memory})
+    return cfg, replace(plan, measurement=measurement.summary() if measurement else None)
 
 
 def _scaling_options(cfg: AppArgs) -> dict[str, Any]:

@@ -4,10 +4,13 @@ Run where ``serve run`` builds the application, and by ``python -m serve_app pro
 recommend options from a fresh measurement. The number of requests a replica can run at once
 is ``budget // price of one P95 request``, from, in order of preference:
 
-1. a **measured profile** (``memory.profile_path``, written by ``python -m serve_app
+1. a **measurement made on the cluster** before the deployment, with one replica's resources
+   (:mod:`deployments.build_measurement`; GPU replicas, cached in
+   ``memory.measurement_cache_dir``);
+2. a **measured profile** (``memory.profile_path``, written by ``python -m serve_app
    profile``): the budget from its measured capacity and held bytes, the price from its
    fitted cost model;
-2. the **analytic estimate**: the weights and the price from the model's ``config.json``
+3. the **analytic estimate**: the weights and the price from the model's ``config.json``
    through :class:`~serve_app.memory.cost_model.AnalyticCostModel` (for the fake engine: its
    configured, exact costs).
 
@@ -21,13 +24,14 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import psutil
 
 from serve_app.admission.policy import policy_class
 from serve_app.config import AppArgs
 from serve_app.kinds import KINDS
+from serve_app.measurement import Measurement
 from serve_app.memory.budget import budget_formula_bytes, derive_budget_bytes
 from serve_app.memory.cost_model import CostModel, Shape
 from serve_app.memory.profiler import MemoryProfile, load_profile
@@ -102,8 +106,10 @@ class DeploymentPlan:
             the policy's knob (``admission.semaphore_permits``).
         min_num_gpus: the smallest multiple of 0.05 of one card whose budget holds
             ``max_running_estimate`` P95 requests (see :func:`gpu_share_for`); ``0.0`` for a
-            CPU device; ``None`` where the card's size is unknown (always when planning at
-            build time). May exceed 1.0: then no single card holds them.
+            CPU device; ``None`` where the card's size is unknown (planning at build time
+            without a measurement). May exceed 1.0: then no single card holds them.
+        measurement: the summary of the measurement it came from
+            (:meth:`serve_app.measurement.Measurement.summary`), or ``None``.
     """
 
     num_gpus: float
@@ -115,13 +121,28 @@ class DeploymentPlan:
     request_bytes: int | None = None
     min_num_gpus: float | None = None
     running_set_by: str = "budget // P95 request"
+    measurement: dict[str, Any] | None = None
+
+    def summary(self) -> dict[str, Any]:
+        """What ``/v1/status`` shows of the plan: the options Ray Serve was given and where
+        they came from."""
+        return {"num_gpus": self.num_gpus, "max_ongoing_requests": self.max_ongoing_requests,
+                "max_queued_requests": self.max_queued_requests,
+                "max_running_estimate": self.max_running_estimate,
+                "budget_bytes": self.budget_bytes, "request_bytes": self.request_bytes,
+                "recommended_num_gpus": self.min_num_gpus, "how": self.how,
+                "measurement": self.measurement}
 
 
-def plan_deployment(args: AppArgs, engine: EngineSpec) -> DeploymentPlan:
+def plan_deployment(args: AppArgs, engine: EngineSpec,
+                    measurement: Measurement | None = None) -> DeploymentPlan:
     """Derive the model deployment's options from ``args`` for ``engine`` (its class).
 
-    With a readable profile at ``memory.profile_path`` made for this engine and model on this
-    kind of device (:func:`serve_app.memory.reuse.reuse_problems`), the plan is
+    With a ``measurement`` made on the cluster before the deployment
+    (:func:`deployments.build_measurement.measure_before_deploy`), the plan is
+    :func:`plan_from_profile`'s of it, on the card it was made on. Else, with a readable
+    profile at ``memory.profile_path`` made for this engine and model on this kind of device
+    (:func:`serve_app.memory.reuse.reuse_problems`), the plan is
     :func:`plan_from_profile`'s. Otherwise it is the analytic estimate:
     ``budget = (capacity - weights - reserve) * safety`` (or ``memory.budget_bytes``) and
     ``max_running = max(1, budget // price)``, with the capacity from
@@ -139,7 +160,8 @@ def plan_deployment(args: AppArgs, engine: EngineSpec) -> DeploymentPlan:
         InsufficientMemoryError: the profile leaves no budget (or less than
             ``memory.budget_bytes``) on its device; the message says what to change.
     """
-    plan = _profile_plan(args, engine) or _analytic_plan(args, engine)
+    plan = (_measured_plan(args, engine, measurement) or _profile_plan(args, engine)
+            or _analytic_plan(args, engine))
     if args.deployment.max_ongoing_requests is not None:
         plan = replace(plan, max_ongoing_requests=args.deployment.max_ongoing_requests,
                        how="deployment.max_ongoing_requests")
@@ -249,6 +271,17 @@ def _plan(args: AppArgs, running_by_memory: int, how: str, budget_bytes: int | N
                                             or args.deployment.num_replicas)),
         max_running_estimate=running, how=set_by or how, budget_bytes=budget_bytes,
         request_bytes=request_bytes, running_set_by=set_by or "budget // P95 request")
+
+
+def _measured_plan(args: AppArgs, engine: EngineSpec,
+                   measurement: Measurement | None) -> DeploymentPlan | None:
+    if measurement is None:
+        return None
+    must_fit = policy_class(args.admission.policy).budget_must_hold_largest
+    return plan_from_profile(args, measurement.profile, engine.kinds,
+                             card_bytes=measurement.card_bytes,
+                             min_budget_bytes=measurement.max_request_bytes if must_fit else 0,
+                             source=measurement.describe())
 
 
 def _profile_plan(args: AppArgs, engine: EngineSpec) -> DeploymentPlan | None:

@@ -95,7 +95,8 @@ class ReplicaState:
             kinds it serves.
         policy, gate_units: the admission policy and the units of ``gate``.
         memory: what was measured at start-up (device, method, capacity, held, reserve,
-            safety factor, measured budget, largest request, profile summary).
+            safety factor, measured budget, largest request, profile summary; on CPU the
+            torch threads chosen, ``cpu_threads``).
         cost_model: the prices it charges now, published exactly
             (:meth:`~serve_app.memory.cost_model.CorrectedCostModel.published`).
         gate, device: the gate's and the thread's figures now.

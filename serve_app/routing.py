@@ -10,8 +10,8 @@ should go, from three inputs:
   to a replica since that replica's last report, so a burst routed between two reports does
   not pile onto the replica that looked emptiest.
 
-The replica stays the authority (DESIGN.md, "The idea", point 5: "replicas stay the authority
-(they may still queue or refuse), so a stale router view is never unsafe"). Every figure here
+The replica stays the authority: it may still queue or refuse, so a stale router view is never
+unsafe (README, "On a GPU cluster", Routing). Every figure here
 is therefore a *preference*: no replica is ever dropped from the ranking, and an error in the
 optimistic bookkeeping only makes routing less even, never unsafe.
 
@@ -142,7 +142,7 @@ class BudgetRouterState:
        reached R by then, so R's own ``reserved_bytes`` / ``queued_bytes`` include it
        (or it already finished), and counting it again would be double. Reservations made
        later stay. A report without a time (``measured_at_s is None``) or one not newer than
-       the last drops nothing. This follows DESIGN.md's rule that the replica is the
+       the last drops nothing. This follows the rule that the replica is the
        authority: its measurement replaces the router's guess as soon as it can contain it.
     3. **Age.** A reservation older than ``max_age_s`` is dropped: a backstop so that a lost
        completion cannot hold bytes forever (rule 2 already covers replicas that report).

@@ -214,7 +214,7 @@ class ErrorDetail(BaseModel):
 
 
 class ErrorResponse(BaseModel):
-    """Every error response (OpenAI error shape; CONTRACT.md "Errors")."""
+    """Every error response (OpenAI error shape; the README's error table)."""
 
     error: ErrorDetail
 

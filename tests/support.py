@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -21,6 +24,19 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def interrupt(process: subprocess.Popen, timeout_s: float = 60) -> None:
+    """Ctrl-C to a ``serve run`` started in its own session, as an operator stops it (it then
+    deletes its applications); killed if it has not exited within ``timeout_s``."""
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGINT)
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
 
 
 def wait_until_ready(base_url: str, timeout_s: float = 180.0,
@@ -66,7 +82,8 @@ def settled_status(base_url: str, timeout_s: float = 15.0) -> list[dict[str, Any
 
 
 def assert_idle_invariants(replicas: list[dict[str, Any]]) -> None:
-    """DESIGN.md's invariants for an idle system, on every replica."""
+    """The invariants of an idle system (nothing reserved, queued, leased or running; charged
+    bytes == released), on every replica."""
     assert replicas, "no replica published its status"
     for r in replicas:
         assert r["reserved_bytes"] == 0, r

@@ -155,6 +155,18 @@ class Engine:
         return "cpu" if cpu else "cuda"
 
     @classmethod
+    def device_identity(cls, args: AppArgs) -> tuple[str, int]:
+        """``(name, total bytes)`` of the card (or host) a replica of ``args`` gets, read in
+        this process without loading the model (what a cached measurement must match).
+
+        Raises:
+            DeviceUnavailableError: the config asks for CUDA and this process has none.
+        """
+        from deployments.engines.devices import device_identity, resolve_device
+
+        return device_identity(resolve_device(args.model.device))
+
+    @classmethod
     def planned_capacity(cls, args: AppArgs) -> tuple[int | None, str]:
         """A replica's capacity as known where the app is built: a CPU replica's share of
         the RAM here; a GPU's is unknown (``None``) until the replica measures it."""
@@ -200,6 +212,11 @@ class Engine:
         """Run one request whose client reads a stream: ``stream_<kind>``. ``on_text`` gets
         each new piece of text and returns ``False`` to stop (the client left)."""
         return getattr(self, f"stream_{request.kind}")(request, on_text)
+
+    def runtime_status(self) -> dict[str, Any]:
+        """What ``/v1/status`` shows per replica about how the loaded engine runs (merged
+        into its start-up figures; may be empty), e.g. the HF engines' ``cpu_threads``."""
+        return {}
 
     def analytic_model(self) -> CostModel | None:
         """The loaded model's analytic cost model, shown beside every profiled point

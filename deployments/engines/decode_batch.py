@@ -27,6 +27,7 @@ applied (the API refuses penalty fields).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -64,6 +65,10 @@ class DenseDecodeBatch:
         self._rows: list[_Row] = []
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None  # (rows, columns) 1 = a real token
+        # transformers 5.24 names the forward's cache ``cache``; before (e.g. 5.17) it was
+        # ``past_key_values``, and an unknown ``cache`` keyword is silently ignored there.
+        forward = inspect.signature(engine.model.forward).parameters
+        self._cache_keyword = "cache" if "cache" in forward else "past_key_values"
         top_k = engine.model.generation_config.top_k
         self._top_k = int(top_k) if top_k else 0
 
@@ -123,8 +128,8 @@ class DenseDecodeBatch:
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                  cache: DynamicCache) -> torch.Tensor:
         model = self._engine.model
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
-                    use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                    use_cache=True, logits_to_keep=1, **{self._cache_keyword: cache})
         return out.logits[:, -1, :].float()
 
     def _decode(self) -> torch.Tensor:

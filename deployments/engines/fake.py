@@ -164,6 +164,11 @@ class FakeEngine(FakeDecodeSteps, EmbeddingRunner, GenerationRunner, Engine):
         return "simulated"
 
     @classmethod
+    def device_identity(cls, args: AppArgs) -> tuple[str, int]:
+        capacity = args.fake.device_capacity_bytes
+        return f"simulated {capacity} byte card", capacity
+
+    @classmethod
     def planned_capacity(cls, args: AppArgs) -> tuple[int, str]:
         share = args.deployment.num_gpus or 1.0
         return (int(args.fake.device_capacity_bytes * share),

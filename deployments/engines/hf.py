@@ -12,7 +12,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from deployments.engines.base import Engine, FrontEndDefaults
+from deployments.engines.base import Engine, FrontEndDefaults, OpenedEngine
+from deployments.engines.cpu_threads import ThreadChoice, choose_threads, probe_shape
 from deployments.engines.devices import resolve_dtype
 from serve_app.config import AppArgs, config_error
 from serve_app.errors import InvalidRequestError
@@ -234,7 +235,24 @@ class HFEngine(Engine):
         return cls(args.model.resolved_path(), device, resolve_dtype(args.model.dtype, device),
                    args.model.num_threads or max(1, int(args.deployment.num_cpus)))
 
+    @classmethod
+    def open(cls, args: AppArgs) -> OpenedEngine:
+        """:meth:`Engine.open`; on CPU, then the thread count is chosen
+        (:mod:`deployments.engines.cpu_threads`), after what loading held was measured."""
+        opened = super().open(args)
+        engine = opened.engine
+        if engine.device == "cpu":
+            shape = probe_shape(args, engine.max_seq_tokens, engine.is_decoder)
+            engine.cpu_threads = choose_threads(args, lambda s: engine.profile_run(*s), shape)
+        return opened
+
     # --- the instance ------------------------------------------------------------------
+
+    cpu_threads: ThreadChoice | None = None
+    """On CPU, after :meth:`open`: the threads chosen and the timings they came from."""
+
+    def runtime_status(self) -> dict[str, Any]:
+        return {"cpu_threads": self.cpu_threads.describe()} if self.cpu_threads else {}
 
     def analytic_model(self) -> AnalyticCostModel:
         return AnalyticCostModel(self.shape)

@@ -6,7 +6,7 @@ prices (a short input padded to a long one's length costs what a long one costs;
 completions generates to its largest ``max_tokens``, and holds every row's KV cache that
 long). Each member already holds a lease of its own price, so a batch is formed only where its
 price fits the leases its members hold together: the device never holds more than the budget
-has leased (DESIGN.md's invariant).
+has leased (the gate's invariant).
 Members are grouped by length (new tokens, then prompt), so that little is lost to padding,
 and batches run oldest member first.
 """

@@ -3,7 +3,7 @@
 Pure and synchronous: the caller passes nothing but byte counts and reads decisions back; time
 comes from the injected clock. :mod:`serve_app.admission.controller` puts asyncio around it.
 
-Semantics (DESIGN.md, "Traps in the naive design"):
+Semantics (README, "How admission works", step 4):
 
 * a request larger than the whole budget is refused at once (``request_too_large``), it never
   waits out a timeout;

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ from tests.support import (
     SENTENCES,
     assert_idle_invariants,
     free_port,
+    interrupt,
     settled_status,
     wait_until_ready,
 )
@@ -46,12 +46,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         log.flush()
         raise AssertionError((path.parent / "serve.log").read_text()[-5000:]) from None
     finally:
-        os.killpg(process.pid, signal.SIGINT)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=30)
+        interrupt(process)
         subprocess.run([str(serve_bin.with_name("ray")), "stop", "--force"],
                        capture_output=True, timeout=120)
 

@@ -2,7 +2,8 @@
 fitted cost model with measured peaks across lengths, and run a burst of concurrent
 completions on two half-card replicas that must cause no OOM (no 500).
 
-Run by ``scripts/gpu_check.sh``; skipped without CUDA.
+Needs Ray: ``python -m pytest tests/gpu``; skipped without CUDA. The GPU check without Ray
+(what runs on a machine without Ray) is ``scripts/gpu_check.sh``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Schemathesis extension loaded by ``test_openapi_fuzz.py``'s ``st run`` (as a hooks file): one
-more check on every response, CONTRACT.md's "Errors" section."""
+more check on every response, the README's error table."""
 
 from __future__ import annotations
 

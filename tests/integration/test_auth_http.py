@@ -35,6 +35,9 @@ def test_the_right_key_is_served_and_probes_need_none(app):
     with httpx.Client(base_url=app.base_url, timeout=30) as http:
         assert http.get("/healthz").status_code == 200
         assert http.get("/readyz").status_code == 200
+        for probe in ("/healthz", "/readyz"):  # as load balancers send them, via Serve's proxy
+            head = http.head(probe)
+            assert (head.status_code, head.content) == (200, b"")
         authorized = {"Authorization": f"Bearer {KEY}"}
         assert http.post("/v1/embeddings", json={"input": "a b"},
                          headers=authorized).status_code == 200

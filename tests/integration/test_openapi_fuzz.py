@@ -3,7 +3,7 @@
 Every operation gets schema-valid and schema-violating requests (Schemathesis's ``coverage``
 and ``fuzzing`` phases, ``mode = "all"``), the inference routes with and without their
 ``Idempotency-Key``/``X-Request-Id`` headers, while the fake engine throws an out-of-memory
-error at one inference in ten. Nothing a client sends may yield a 500, a 5xx that CONTRACT.md
+error at one inference in ten. Nothing a client sends may yield a 500, a 5xx that the README
 does not document (503 with ``Retry-After`` and 504 are), an undeclared status, content type or
 missing declared header, a body that does not match the schema declared for its status, an
 error outside the OpenAI error shape or a traceback (``schemathesis_hooks.py``); every
@@ -58,7 +58,7 @@ database = "none"
 enabled = false
 
 [checks.not_a_server_error]
-# CONTRACT.md: 503 (with Retry-After) and 504 are documented outcomes; a 500 never is.
+# README's error table: 503 (with Retry-After) and 504 are documented outcomes; a 500 never is.
 expected-statuses = ["2xx", "3xx", "4xx", "503", "504"]
 """
 

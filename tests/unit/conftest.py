@@ -1,9 +1,9 @@
 """Unit-test fixtures: no Ray, a fake clock, and queues whose idle invariants are checked.
 
 Every queue or controller built through :func:`make_queue` / :func:`make_controller` is checked
-after its test against the invariants of DESIGN.md ("Invariants every test suite should be able
-to assert"): nothing reserved, nothing queued, every charged byte released, no live lease. Tests
-must therefore release every lease they take and cancel every waiter they leave.
+after its test against the idle invariants: nothing reserved, nothing queued, every charged
+byte released, no live lease. Tests must therefore release every lease they take and cancel
+every waiter they leave.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def clock() -> FakeClock:
 
 
 def assert_idle(queue: AdmissionQueue) -> None:
-    """DESIGN.md invariants of an idle replica, on one queue and its budget."""
+    """The invariants of an idle replica, on one queue and its budget."""
     budget = queue.budget
     assert budget.reserved_bytes == 0, "bytes still reserved"
     assert queue.queue_depth == 0, "waiters left in the queue"

@@ -1,4 +1,6 @@
-"""``python -m serve_app profile``: argument handling, and one real run on the packaged MiniLM."""
+"""``python -m serve_app profile``: argument handling, and one real run on the packaged MiniLM.
+Every error is one line on stderr and exit status 1 (tests/unit/test_cli_validate.py: the
+``validate`` and ``plan`` commands)."""
 
 from __future__ import annotations
 
@@ -11,13 +13,10 @@ import pytest
 import yaml
 
 from deployments.engines.registry import engine_class
-from serve_app.__main__ import (
-    EXIT_INSUFFICIENT_MEMORY,
-    EXIT_USAGE,
-    main,
-    profiling_args,
-    read_application,
-)
+from serve_app.__main__ import main
+from serve_app.cli import EXIT_FAILED
+from serve_app.cli.profile import profiling_args
+from serve_app.cli.serve_config import read_application
 from serve_app.config import parse_args
 from serve_app.memory.budget import InsufficientMemoryError
 from serve_app.memory.profiler import MemoryProfile
@@ -34,47 +33,49 @@ def write_config(tmp_path: Path, *apps: dict) -> Path:
 
 
 def run_main(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str]:
-    """Exit status and stderr of ``main(argv)``."""
+    """Exit status and stderr of ``main(argv)`` (errors there: ``vramgate: ...`` lines)."""
     status = main(list(argv))
-    return status, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return status, err
 
 
 # --- argument handling (no model is loaded) ---------------------------------------------------
 
 
-def test_a_missing_config_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_a_missing_config_file_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     status, err = run_main(capsys, "profile", "--config", str(tmp_path / "absent.yaml"))
-    assert status == EXIT_USAGE == 2
-    assert f"cannot read config {tmp_path / 'absent.yaml'}" in err
-    assert "Traceback" not in err
+    assert status == EXIT_FAILED == 1
+    assert err == (f"vramgate: {tmp_path / 'absent.yaml'}: cannot read it: "
+                   "No such file or directory\n")
 
 
-def test_a_file_that_is_not_a_serve_config_exits_2(tmp_path: Path,
+def test_a_file_that_is_not_a_serve_config_exits_1(tmp_path: Path,
                                                    capsys: pytest.CaptureFixture) -> None:
     path = tmp_path / "list.yaml"
     path.write_text("- just\n- a list\n")
     status, err = run_main(capsys, "profile", "--config", str(path))
-    assert status == 2
-    assert "no `applications:` list" in err
+    assert status == 1
+    assert "not a serve run config" in err
 
 
-def test_an_unknown_app_name_exits_2_and_lists_the_names(
+def test_an_unknown_app_name_exits_1_and_lists_the_names(
         tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     path = write_config(tmp_path, {"name": "a", "import_path": OURS},
                         {"name": "b", "import_path": OURS})
     status, err = run_main(capsys, "profile", "--config", str(path), "--app", "c")
-    assert status == 2
+    assert status == 1
     assert "no application named 'c' (it has 'a', 'b')" in err
 
 
-def test_an_app_that_is_not_vramgate_exits_2(tmp_path: Path,
+def test_an_app_that_is_not_vramgate_exits_1(tmp_path: Path,
                                              capsys: pytest.CaptureFixture) -> None:
     path = write_config(tmp_path, {"name": "other", "import_path": "elsewhere:app"})
     status, err = run_main(capsys, "profile", "--config", str(path), "--app", "other")
-    assert status == 2
+    assert status == 1
     assert "'other' has import_path 'elsewhere:app'" in err
     status, err = run_main(capsys, "profile", "--config", str(path))
-    assert status == 2
+    assert status == 1
     assert f"no application has import_path {OURS}" in err
 
 
@@ -82,28 +83,63 @@ def test_an_app_that_is_not_vramgate_exits_2(tmp_path: Path,
     ({"admission": {"max_queu_len": 1}}, "args.admission.max_queu_len: unknown key"),
     ({"memory": {"safety_factor": 2}}, "args.memory.safety_factor: Input should be less"),
 ])
-def test_invalid_args_exit_2_naming_the_key(tmp_path: Path, capsys: pytest.CaptureFixture,
+def test_invalid_args_exit_1_naming_the_key(tmp_path: Path, capsys: pytest.CaptureFixture,
                                             bad_args: dict, key: str) -> None:
     path = write_config(tmp_path, {"name": "x", "import_path": OURS, "args": bad_args})
     status, err = run_main(capsys, "profile", "--config", str(path))
-    assert status == 2
-    assert key in err
-    assert "Traceback" not in err
+    assert status == 1
+    assert err.startswith(f"vramgate: {path}: application 'x': {key}")
 
 
-def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture) -> None:
-    with pytest.raises(SystemExit) as exited:
-        main([])
-    assert exited.value.code == 2
-    assert "COMMAND" in capsys.readouterr().err
+@pytest.mark.parametrize("argv", [[], ["frob"], ["profile"], ["validate"]])
+def test_a_bad_command_line_is_one_line_and_exit_1(capsys: pytest.CaptureFixture,
+                                                    argv: list[str]) -> None:
+    status, err = run_main(capsys, *argv)
+    assert status == 1
+    assert len(err.splitlines()) == 1 and re.search(r"\(see vramgate( \w+)? --help\)\n$", err)
+
+
+def test_an_unexpected_error_is_one_line_naming_its_type(
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    import deployments.profiling
+
+    def fail(args, on_progress):
+        raise RuntimeError("CUDA error: an illegal memory access\nwas encountered")
+
+    monkeypatch.setattr(deployments.profiling, "measure_replica", fail)
+    path = write_config(tmp_path, {"name": "x", "import_path": OURS,
+                                   "args": {"model": {"task": "fake"}}})
+    status, err = run_main(capsys, "profile", "--config", str(path))
+    assert status == 1
+    assert err.splitlines()[-1] == ("vramgate: unexpected RuntimeError: CUDA error: an illegal "
+                                    "memory access was encountered")
+
+
+def test_a_gpu_replica_is_not_profiled_without_cuda(
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    status, err = run_main(capsys, "profile", "--config", str(REPO / "configs" / "prod.yaml"))
+    assert status == 1
+    assert err.startswith("vramgate: ") and len(err.splitlines()) == 1
+    assert "model.device is cuda but this machine has no CUDA device; run vramgate profile " \
+           "on a GPU node" in err
+    args = {"deployment": {"num_gpus": 0.5}}  # device auto: the replicas get a GPU
+    path = write_config(tmp_path, {"name": "x", "import_path": OURS, "args": args})
+    status, err = run_main(capsys, "profile", "--config", str(path))
+    assert status == 1
+    assert "deployment.num_gpus is 0.5 (the replicas run on a GPU) but this machine has no " \
+           "CUDA device" in err
 
 
 def test_the_default_application_is_the_first_vramgate_one(tmp_path: Path) -> None:
     path = write_config(tmp_path, {"name": "other", "import_path": "elsewhere:app"},
                         {"name": "first", "import_path": OURS, "args": {"model": {"name": "m"}}},
                         {"name": "second", "import_path": OURS})
-    assert read_application(path, None) == ("first", {"model": {"name": "m"}})
-    assert read_application(path, "second") == ("second", {})
+    first, second = read_application(path, None), read_application(path, "second")
+    assert (first.name, first.raw_args) == ("first", {"model": {"name": "m"}})
+    assert (second.name, second.raw_args) == ("second", {})
 
 
 def test_the_measurement_is_fresh_and_on_the_replicas_device() -> None:
@@ -114,7 +150,7 @@ def test_the_measurement_is_fresh_and_on_the_replicas_device() -> None:
     assert gpu.model.device == "auto"
 
 
-def test_insufficient_memory_exits_3(tmp_path: Path, capsys: pytest.CaptureFixture,
+def test_insufficient_memory_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture,
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     import deployments.profiling
 
@@ -124,8 +160,9 @@ def test_insufficient_memory_exits_3(tmp_path: Path, capsys: pytest.CaptureFixtu
     monkeypatch.setattr(deployments.profiling, "measure_replica", refuse)
     path = write_config(tmp_path, {"name": "x", "import_path": OURS})
     status, err = run_main(capsys, "profile", "--config", str(path))
-    assert status == EXIT_INSUFFICIENT_MEMORY == 3
-    assert "insufficient memory: budget of -5 bytes" in err
+    assert status == 1
+    assert err.endswith("\nvramgate: insufficient memory: budget of -5 bytes cannot hold the "
+                        "largest request\n")  # after the progress lines
     assert not (tmp_path / "profiles").exists()
 
 
@@ -197,7 +234,7 @@ def test_profile_the_fake_engine_recommends_a_share_of_its_card(
     assert "  num_gpus: 0.5   # smallest 0.05 of the card" in stdout
 
 
-def test_running_out_of_memory_while_profiling_exits_3(
+def test_running_out_of_memory_while_profiling_exits_1(
         tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     # The largest request, 4 x (64 + 32) tokens at 1 MiB each, is more than the 256 MiB card.
     args = {"model": {"task": "fake"},
@@ -207,7 +244,7 @@ def test_running_out_of_memory_while_profiling_exits_3(
     config = write_config(tmp_path, {"name": "fake", "import_path": OURS, "args": args})
     status, err = run_main(capsys, "profile", "--config", str(config),
                            "--out", str(tmp_path / "p.json"))
-    assert status == 3
+    assert status == 1
     assert "profiling ran out of device memory" in err
     assert "Lower limits.max_inputs" in err
     assert not (tmp_path / "p.json").exists()

@@ -1,0 +1,160 @@
+"""``serve run`` as an operator runs it: a GPU config on a cluster without GPUs fails at once;
+on declared GPUs the fake engine's deployment is planned from a measurement made on the
+cluster, reused by the next run; a replica that cannot start ends ``serve run``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from serve_app.config import parse_args
+from serve_app.memory.profiler import MemoryProfile
+from serve_app.planning import FALLBACK_MAX_RUNNING, plan_from_profile
+from tests.support import free_port, interrupt, wait_until_ready
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVE = Path(sys.executable).with_name("serve")
+RAY = Path(sys.executable).with_name("ray")
+EXIT_HANGUP = -signal.SIGHUP  # serve run stopped by vramgate (a shell shows 129)
+
+
+def config_file(tmp: Path, source: str, port: int, runtime_env: dict | None = None,
+                **args: dict[str, Any]) -> Path:
+    """``source`` (a config of this repository) on 127.0.0.1:``port``, with its ``args:``
+    sections updated by ``args``."""
+    config = yaml.safe_load((ROOT / source).read_text())
+    config["http_options"] = {"host": "127.0.0.1", "port": port}
+    if runtime_env is not None:
+        config["applications"][0]["runtime_env"] = runtime_env
+    app_args = config["applications"][0]["args"]
+    for section, values in args.items():
+        app_args[section] = {**app_args.get(section, {}), **values}
+    path = tmp / f"{source.replace('/', '_')}-{port}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def serve_run(config: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen([str(SERVE), "run", str(config)], cwd=ROOT, env=env,
+                            stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def test_prod_config_on_a_cluster_without_gpus_exits_within_a_minute(tmp_path: Path) -> None:
+    config = config_file(tmp_path, "configs/prod.yaml", free_port())
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a fresh local Ray
+    started = time.monotonic()
+    try:
+        run = subprocess.run([str(SERVE), "run", str(config)], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=60)
+    finally:
+        subprocess.run([str(RAY), "stop", "--force"], capture_output=True, timeout=120)
+    output = run.stdout + run.stderr
+    print(f"\nserve run exited {run.returncode} after {time.monotonic() - started:.0f} s; "
+          f"last line: {output.strip().splitlines()[-1]}")
+    assert run.returncode == EXIT_HANGUP, output[-3000:]
+    last = output.strip().splitlines()[-1]
+    assert last.startswith("vramgate: deployment.num_gpus is 0.5 per model replica, but no "
+                           "node of this Ray cluster has a GPU"), output[-3000:]
+    assert "0 GPU" in last and "deployment.wait_for_gpus: true" in last
+
+
+@pytest.fixture(scope="module")
+def gpu_cluster() -> Iterator[dict[str, str]]:
+    """A local Ray cluster declaring one GPU it does not have; the env that reaches it."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    port = free_port()
+    subprocess.run([str(RAY), "start", "--head", f"--port={port}", "--num-gpus=1",
+                    f"--dashboard-port={free_port()}", "--disable-usage-stats"],
+                   env=env, check=True, capture_output=True, timeout=180)
+    try:
+        yield {**env, "RAY_ADDRESS": "auto"}  # the cluster `ray start` just started
+    finally:
+        subprocess.run([str(RAY), "stop", "--force"], capture_output=True, timeout=120)
+
+
+def plans(base_url: str, replicas: int, timeout_s: float = 60) -> list[dict[str, Any]]:
+    """The ``deployment_plan`` of each replica, once all ``replicas`` have published."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = httpx.get(f"{base_url}/v1/status", timeout=10).json()["replicas"]
+        if len(found) >= replicas or time.monotonic() > deadline:
+            return [r["deployment_plan"] for r in found]
+        time.sleep(0.5)
+
+
+def test_fake_engine_on_declared_gpus_is_planned_from_a_measurement_reused_next_run(
+        gpu_cluster: dict[str, str], tmp_path: Path) -> None:
+    port, cache = free_port(), tmp_path / "measurements"
+    allocator = "expandable_segments:True"  # as configs/prod.yaml sets it
+    config = config_file(tmp_path, "configs/fake.yaml", port,
+                         runtime_env={"env_vars": {"PYTORCH_CUDA_ALLOC_CONF": allocator}},
+                         memory={"measurement_cache_dir": str(cache)})
+    base_url = f"http://127.0.0.1:{port}"
+    seen = []
+    for run in ("first", "second"):
+        process = serve_run(config, gpu_cluster, tmp_path / f"{run}.log")
+        try:
+            wait_until_ready(base_url, timeout_s=180, alive=lambda p=process: p.poll() is None)
+            seen.append(plans(base_url, replicas=2))
+            replicas = httpx.get(f"{base_url}/v1/status", timeout=10).json()["replicas"]
+            assert [r["allocator"] for r in replicas] == [allocator] * 2  # in force there
+        except TimeoutError:
+            raise AssertionError((tmp_path / f"{run}.log").read_text()[-5000:]) from None
+        finally:
+            interrupt(process, timeout_s=90)
+        if run == "first":
+            [measured] = cache.glob("*[!e].json")  # the measurement, not the profile beside it
+            mtime = measured.stat().st_mtime_ns
+    first, second = seen
+    assert len(first) == len(second) == 2  # two half-GPU replicas, both planned alike
+    key = measured.stem
+    for plan in first:
+        assert plan["measurement"]["key"] == key and plan["measurement"]["reused"] is False
+        assert plan["measurement"]["allocator"] == allocator  # measured under it too
+        assert plan["how"].startswith(f"measurement {key} on simulated 17179869184 byte card")
+    for plan in second:  # the second run measured nothing: the cache file is untouched
+        assert plan["measurement"]["key"] == key and plan["measurement"]["reused"] is True
+        assert plan["how"].startswith(f"cached measurement {key}")
+    assert measured.stat().st_mtime_ns == mtime
+    # The options are what the measured profile yields, not the fallback of 32 running.
+    args = parse_args(yaml.safe_load(config.read_text())["applications"][0]["args"])
+    profile = MemoryProfile.load(cache / f"{key}.profile.json")
+    expected = plan_from_profile(args, profile, ("embed", "generate"))
+    assert first[0]["max_ongoing_requests"] == expected.max_ongoing_requests \
+        == second[0]["max_ongoing_requests"]
+    assert first[0]["budget_bytes"] == expected.budget_bytes
+    assert expected.max_running_estimate != FALLBACK_MAX_RUNNING
+
+
+def test_a_replica_that_cannot_start_ends_serve_run_with_its_reason(
+        gpu_cluster: dict[str, str], tmp_path: Path) -> None:
+    # Half of a 4 GiB card holds the 2 GiB model and nothing else; measured on the cluster
+    # first (memory.measure_before_deploy) or by the replica itself, it is refused.
+    config = config_file(tmp_path, "configs/fake.yaml", free_port(),
+                         fake={"device_capacity_bytes": 4 * 2**30},
+                         memory={"measure_before_deploy": False})
+    started = time.monotonic()
+    process = serve_run(config, gpu_cluster, tmp_path / "refused.log")
+    try:
+        process.wait(timeout=120)
+    finally:
+        interrupt(process, timeout_s=90)
+    output = (tmp_path / "refused.log").read_text()
+    last = output.strip().splitlines()[-1]
+    print(f"\nserve run exited {process.returncode} after {time.monotonic() - started:.0f} s: "
+          f"{last[:200]}")
+    assert process.returncode == EXIT_HANGUP, output[-3000:]
+    assert last.startswith("vramgate: model replica refused to start: profiling ran out of "
+                           "device memory"), output[-3000:]
+    assert "Lower limits.max_inputs" in last

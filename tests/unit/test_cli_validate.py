@@ -1,0 +1,190 @@
+"""``vramgate validate`` (every problem of every config at once, without Ray) and ``vramgate
+plan`` (what each replica gets, and from which measurement)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deployments.engines.registry import engine_class
+from serve_app.__main__ import main
+from serve_app.cli.plan import plan_lines
+from serve_app.cli.serve_config import APPLICATION_KEYS, TOP_LEVEL_KEYS
+from serve_app.config import parse_args
+from serve_app.planning import plan_deployment
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+OURS = "serve_app.app:build_app"
+
+BROKEN = {
+    "proxy_locaton": "HeadOnly",
+    "applications": [
+        {"name": "a", "import_path": OURS, "route_prefix": "api/", "args": {
+            "admission": {"max_queu_len": 1}, "memory": {"safety_factor": 2},
+            "deployment": {"min_replicas": 2, "autoscaling_look_back_s": 1}}},
+        {"name": "a", "import_path": "nocolon", "host": "0.0.0.0"},
+        5,
+        {"name": "b", "route_prefix": "/b", "import_path": OURS,
+         "args": {"model": {"engine": "nowhere.module:Engine"}}},
+    ],
+}
+
+
+def run_main(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
+    status = main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_the_shipped_configs_validate_without_importing_ray() -> None:
+    code = ("import sys\nfrom serve_app.__main__ import main\nstatus = main(sys.argv[1:])\n"
+            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))\n"
+            "sys.exit(status)")
+    done = subprocess.run([sys.executable, "-c", code, "validate", *map(str, CONFIGS)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    *ok, imported = done.stdout.splitlines()
+    assert imported == "[]"
+    assert ok == [f"{path}: application 'vramgate': ok ({engine_line})" for path, engine_line
+                  in zip(CONFIGS, [_engine_line(path) for path in CONFIGS], strict=True)]
+
+
+def _engine_line(path: Path) -> str:
+    args = parse_args(yaml.safe_load(path.read_text())["applications"][0]["args"])
+    return (f"{args.model.engine_name} engine, model {args.model.name!r}, "
+            f"num_gpus {args.deployment.num_gpus:g} per replica")
+
+
+def test_a_broken_config_prints_every_problem_one_line_each(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(yaml.safe_dump(BROKEN))
+    (tmp_path / "not_yaml.yaml").write_text("applications:\n  - name: [a\n")
+    status, out, err = run_main(capsys, "validate", str(broken), str(REPO / "configs/fake.yaml"),
+                                str(tmp_path / "not_yaml.yaml"), str(tmp_path / "absent.yaml"))
+    assert status == 1
+    a = f"{broken}: application 'a'"
+    assert sorted(err.splitlines()) == sorted(f"vramgate: {line}" for line in [
+        f"{broken}: proxy_locaton: unknown key (Ray Serve ignores it; check its spelling)",
+        f"{broken}: name 'a' is used by more than one application (Ray Serve refuses it)",
+        f"{a}: route_prefix: 'api/' must start with '/'",
+        f"{a}: args.admission.max_queu_len: unknown key (check its spelling and section)",
+        f"{a}: args.memory.safety_factor: Input should be less than or equal to 1",
+        f"{a}: args.deployment: deployment.min_replicas is set but deployment.max_replicas "
+        "is not: set both to autoscale",
+        f"{a}: args.deployment: deployment.autoscaling_look_back_s must exceed "
+        "deployment.autoscaling_metrics_interval_s",
+        f"{a}: host: set it at the top level of the file (Ray Serve refuses it in an "
+        "application)",
+        f"{a}: import_path: 'nocolon' must be module:attribute (one colon) or "
+        "module.attribute",
+        f"{broken}: applications[2]: expected a mapping with an import_path",
+        f"{broken}: application 'b': args.model.engine: cannot import the engine "
+        "nowhere.module:Engine: No module named 'nowhere'",
+        f"{tmp_path / 'not_yaml.yaml'}:3:1: not valid YAML: expected ',' or ']', but got "
+        "'<stream end>'",
+        f"{tmp_path / 'absent.yaml'}: cannot read it: No such file or directory",
+    ])
+    # The valid file among them is still checked and said to be valid.
+    assert out.startswith(f"{REPO / 'configs/fake.yaml'}: application 'vramgate': ok (")
+
+
+def test_the_keys_checked_are_ray_serves() -> None:
+    from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
+
+    assert TOP_LEVEL_KEYS == set(ServeDeploySchema.model_fields)
+    assert APPLICATION_KEYS == set(ServeApplicationSchema.model_fields)
+
+
+def test_other_applications_are_checked_as_ray_serve_ones(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    config = tmp_path / "other.yaml"
+    config.write_text(yaml.safe_dump({"applications": [{"import_path": "pkg.mod:app"}]}))
+    status, out, _ = run_main(capsys, "validate", str(config))
+    assert status == 0
+    assert out == (f"{config}: application 'default': ok as a Ray Serve application "
+                   f"(import_path 'pkg.mod:app' is not {OURS}: its args are not checked)\n")
+    status, _, err = run_main(capsys, "plan", str(config))
+    assert (status, err) == (1, f"vramgate: {config}: no application has import_path {OURS}\n")
+
+
+def test_plan_prints_what_plan_deployment_derives(capsys: pytest.CaptureFixture) -> None:
+    config = REPO / "configs" / "fake.yaml"
+    status, out, _ = run_main(capsys, "plan", str(config))
+    assert status == 0
+    args = parse_args(yaml.safe_load(config.read_text())["applications"][0]["args"])
+    plan = plan_deployment(args, engine_class(args))
+    assert out.splitlines()[0] == f"{config}: application 'vramgate'"
+    printed = dict(re.findall(r"^  ([a-z_ 0-9]+): +(\S+)", out, re.MULTILINE))
+    assert printed["num_gpus"] == "0.5"
+    assert printed["budget_bytes"] == str(plan.budget_bytes)
+    assert printed["max_ongoing_requests"] == str(plan.max_ongoing_requests)
+    assert printed["max_queued_requests"] == str(plan.max_queued_requests)
+    assert f"\n  from:                 {plan.how}\n" in out
+    assert plan.how == "analytic estimate from fake.device_capacity_bytes x num_gpus"
+
+
+def test_plan_names_the_measurement_and_refuses_a_broken_config(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from dataclasses import replace
+
+    args = parse_args({"model": {"task": "fake"}, "deployment": {"num_gpus": 0.5}})
+    engine = engine_class(args)
+    measured = replace(plan_deployment(args, engine),
+                       how="measured on NVIDIA H200 at 2025-01-01T00:00:00Z (cache key 1a2b)",
+                       min_num_gpus=0.25)
+    lines = plan_lines("title", args, engine, measured)
+    assert lines[-1] == ("  from:                 measured on NVIDIA H200 at "
+                         "2025-01-01T00:00:00Z (cache key 1a2b)")
+    assert any(line.startswith("  recommended num_gpus: 0.25") for line in lines)
+
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(yaml.safe_dump(BROKEN))
+    status, out, err = run_main(capsys, "plan", str(broken))
+    assert (status, out) == (1, "")
+    assert len(err.splitlines()) == 11
+
+
+def test_plan_uses_the_measurement_serve_run_cached(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    import time
+
+    from deployments.profiling import measure_replica
+    from serve_app.measurement import (
+        Measurement,
+        MeasurementCache,
+        measurement_identity,
+        measurement_key,
+    )
+
+    raw_args = {"model": {"task": "fake"}, "deployment": {"num_gpus": 0.5},
+                "fake": {"latency_per_token_s": 0},
+                "limits": {"max_inputs": 2, "max_input_tokens": 32, "max_tokens": 8},
+                "memory": {"measurement_cache_dir": str(tmp_path / "cache")}}
+    allocator = "expandable_segments:True"
+    config = tmp_path / "gpu.yaml"
+    config.write_text(yaml.safe_dump({"applications": [{
+        "name": "gpu", "import_path": OURS, "args": raw_args,
+        "runtime_env": {"env_vars": {"PYTORCH_CUDA_ALLOC_CONF": allocator}}}]}))
+    args = parse_args(raw_args)
+    # What serve run's measurement task leaves in the cache (its workers have the setting).
+    identity = {**measurement_identity(args, engine_class(args).profile_identity(args)),
+                "allocator": allocator}
+    measured = measure_replica(args, on_progress=lambda line: None)
+    cached = MeasurementCache(args.memory.measurement_cache_dir).put(Measurement(
+        measurement_key(identity), identity, "NVIDIA H200", 150 << 30, measured.profile,
+        measured.max_request_bytes, time.time()))
+
+    status, out, _ = run_main(capsys, "plan", str(config))
+    assert status == 0
+    from_line = next(line for line in out.splitlines() if line.startswith("  from:"))
+    assert from_line.split(maxsplit=1)[1] == MeasurementCache(
+        args.memory.measurement_cache_dir).get(cached.key).describe()
+    assert "cached measurement" in from_line and "on NVIDIA H200 at" in from_line
+    assert "  recommended num_gpus: " in out  # the card's size is known from the measurement
