@@ -1,5 +1,5 @@
 """How many torch threads a model replica on CPU computes with: chosen at start-up, on the
-node it runs on, from the cores it may use and a measurement (issue 16).
+node it runs on, from the cores it may use and a measurement.
 
 The rule: with ``model.num_threads`` unset, the replica times one representative run
 (:func:`probe_shape`: an embedder's P95 request, ``deployment.p95_inputs`` inputs of
