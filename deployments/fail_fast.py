@@ -27,7 +27,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from deployments.engines.devices import DeviceUnavailableError
-from serve_app.config import ConfigError
+from serve_app.config import AppArgs, ConfigError
 from serve_app.memory.budget import InsufficientMemoryError
 
 logger = logging.getLogger("ray.serve")
@@ -110,6 +110,14 @@ def _signal_driver_here(pid: int, message: str) -> int:
         logger.warning("cannot stop serve run (pid %d): %s", pid, exc)
         return 0
     return 1
+
+
+def refusal_text(exc: BaseException, args: AppArgs) -> str:
+    """A replica's refusal in words: an unreadable model names ``model.path``."""
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return (f"cannot load the model of model.path {args.model.path!r}: "
+                f"{exc.strerror or exc}: {exc.filename}")
+    return str(exc)
 
 
 def _one_line(reason: BaseException | str) -> str:

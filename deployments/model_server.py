@@ -21,7 +21,7 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from deployments.fail_fast import REFUSALS, stop_serve_run_with
+from deployments.fail_fast import REFUSALS, refusal_text, stop_serve_run_with
 from deployments.profiling import measure_replica
 from deployments.registry import publish_forever
 from deployments.replica import Replica, ReplicaIdentity
@@ -73,7 +73,7 @@ class ModelServer:
         except BaseException as exc:
             executor.shutdown(wait=False)
             if isinstance(exc, REFUSALS):  # retrying cannot help: end a waiting serve run
-                stop_serve_run_with(f"model replica refused to start: {exc}")
+                stop_serve_run_with(f"model replica refused to start: {refusal_text(exc, args)}")
             raise
         context = serve.get_replica_context()
         replica_id = context.replica_id.unique_id if context else "local"

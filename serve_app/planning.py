@@ -270,7 +270,8 @@ def _plan(args: AppArgs, running_by_memory: int, how: str, budget_bytes: int | N
         max_queued_requests=max(1, queue * (args.deployment.max_replicas
                                             or args.deployment.num_replicas)),
         max_running_estimate=running, how=set_by or how, budget_bytes=budget_bytes,
-        request_bytes=request_bytes, running_set_by=set_by or "budget // P95 request")
+        request_bytes=request_bytes,
+        running_set_by=set_by or ("budget // P95 request" if budget_bytes is not None else how))
 
 
 def _measured_plan(args: AppArgs, engine: EngineSpec,

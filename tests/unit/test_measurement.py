@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from deployments.engines.fake import FakeEngine
-from deployments.fail_fast import _is_live_serve_run
+from deployments.fail_fast import _is_live_serve_run, refusal_text
 from serve_app import planning
 from serve_app.config import parse_args
 from serve_app.measurement import (
@@ -168,3 +168,12 @@ def test_a_measurement_round_trips_through_json() -> None:
     again = Measurement.from_dict(json.loads(json.dumps(original.to_dict())))
     assert again.profile == original.profile and again.identity == original.identity
     assert again.reused and not original.reused
+
+
+def test_an_unreadable_model_names_model_path_in_the_refusal() -> None:
+    args = parse_args({"model": {"task": "generate", "path": "/nowhere/causal-lm"}})
+    missing = FileNotFoundError(2, "No such file or directory", "/nowhere/causal-lm/config.json")
+    assert refusal_text(missing, args) == (
+        "cannot load the model of model.path '/nowhere/causal-lm': No such file or directory: "
+        "/nowhere/causal-lm/config.json")
+    assert refusal_text(ValueError("budget too small"), args) == "budget too small"
