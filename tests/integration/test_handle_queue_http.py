@@ -40,19 +40,27 @@ async def send_eight_at_once(base_url: str) -> list[httpx.Response]:
 
 async def test_a_request_no_replica_accepts_in_time_is_refused_and_no_wait_exceeds_the_bound(
         app):
-    responses = await send_eight_at_once(app.base_url)
-    ok = [r for r in responses if r.status_code == 200]
-    refused = [r for r in responses if r.status_code != 200]
-    print(f"\n8 at once, one at a time: {len(ok)} x 200, "
-          f"{[(r.status_code, r.json()['error']['code']) for r in refused]}")
-    assert ok and refused
-    for r in refused:
-        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_timeout", r.text
-        assert int(r.headers["retry-after"]) >= 1
-    # Queue wait reported by the replica: the way to it, the lease and the thread, in all.
-    waits_ms = [float(r.headers["x-queue-wait-ms"]) for r in ok]
-    assert max(waits_ms) <= MAX_QUEUE_WAIT_S * 1000 * 1.05, waits_ms
-    assert max(waits_ms) > 300  # the later admitted ones did wait on their way
+    # Normally two of the eight are admitted (the second after waiting for the first); a
+    # loaded machine may admit only the first within the bound (seen once on CI), so up to
+    # three rounds are sent until a request that waited was admitted. Every round's refusals
+    # and admitted waits are checked.
+    waits_ms: list[float] = []
+    for _ in range(3):
+        responses = await send_eight_at_once(app.base_url)
+        ok = [r for r in responses if r.status_code == 200]
+        refused = [r for r in responses if r.status_code != 200]
+        print(f"\n8 at once, one at a time: {len(ok)} x 200, "
+              f"{[(r.status_code, r.json()['error']['code']) for r in refused]}")
+        assert ok and refused
+        for r in refused:
+            assert r.status_code == 503 and r.json()["error"]["code"] == "queue_timeout", r.text
+            assert int(r.headers["retry-after"]) >= 1
+        # Queue wait reported by the replica: the way to it, the lease and the thread, in all.
+        waits_ms += [float(r.headers["x-queue-wait-ms"]) for r in ok]
+        assert max(waits_ms) <= MAX_QUEUE_WAIT_S * 1000 * 1.05, waits_ms
+        if len(ok) > 1:
+            break
+    assert max(waits_ms) > 300, waits_ms  # the later admitted ones did wait on their way
     app.check_invariants()
 
 
