@@ -56,6 +56,7 @@ from serve_app.autoscaling import (
 )
 from serve_app.replica_state import (
     AUTOSCALING_BUDGET_BYTES_KEY,
+    AUTOSCALING_JOBS_QUEUED_KEY,
     AUTOSCALING_QUEUE_DEPTH_KEY,
     AUTOSCALING_QUEUED_BYTES_KEY,
     AUTOSCALING_RESERVED_BYTES_KEY,
@@ -93,7 +94,8 @@ def snapshot_from_context(ctx: AutoscalingContext) -> AutoscalingSnapshot:
                               queued_bytes=value(AUTOSCALING_QUEUED_BYTES_KEY, r),
                               reserved_bytes=value(AUTOSCALING_RESERVED_BYTES_KEY, r),
                               budget_bytes=value(AUTOSCALING_BUDGET_BYTES_KEY, r),
-                              running_requests=value(AUTOSCALING_RUNNING_REQUESTS_KEY, r))
+                              running_requests=value(AUTOSCALING_RUNNING_REQUESTS_KEY, r),
+                              jobs_queued=value(AUTOSCALING_JOBS_QUEUED_KEY, r))
                   for r in budgets if not running or r in running)
     queued_at_handles = ctx.total_queued_requests
     now = ctx.current_time

@@ -143,6 +143,12 @@ class RequestBatcher:
             except Exception:  # a bug; its passes' callers got it, later requests still run
                 logger.exception("batch former: a pass failed unexpectedly")
 
+    @property
+    def pending_passes(self) -> int:
+        """Passes the admitted requests waiting here will take at least (their inputs over
+        ``max_batch_size``, rounded up)."""
+        return math.ceil(self._waiting_inputs / self._config.max_batch_size)
+
     async def _wait_for_company(self) -> None:
         """With the thread free and fewer than ``max_batch_size`` inputs waiting, wait up to
         ``max_wait_ms`` for more (0: start at once)."""

@@ -128,7 +128,8 @@ class DecodeLoop:
         self._wake.set()
         admission = self._args.admission
         try:
-            limit_s = max(0.0, admission.max_queue_wait_s - ticket.queue_wait_s)
+            limit_s = max(0.0, ticket.request.wait_bound_s(admission.max_queue_wait_s)
+                          - ticket.queue_wait_s)
             try:
                 await asyncio.wait_for(asyncio.shield(sequence.joined), limit_s)
             except TimeoutError:
@@ -225,6 +226,11 @@ class DecodeLoop:
         joining: list[_Sequence] = []
         if not self._waiting:
             return joining
+        for sequence in self._waiting:
+            # Its caller left and gave the lease back before the cancellation of its
+            # generate() reached the sequence (task.cancel is asynchronous): it must not
+            # join, nor count as leased.
+            sequence.cancelled |= sequence.ticket.released
         rows = [s.kv_row for s in self._running.values() if not s.cancelled]
         leased = sum(self._engine.kv_tokens_for([(s.final_tokens, 0)])
                      for s in (*self._running.values(), *self._waiting) if not s.cancelled)

@@ -56,6 +56,8 @@ def error_response(err: ServeAppError) -> JSONResponse:
     headers = {}
     if err.retry_after_s is not None:
         headers["Retry-After"] = str(err.retry_after_s)
+    if err.retry_after_ms is not None:  # read first by the OpenAI SDKs (up to 60 s)
+        headers["retry-after-ms"] = str(err.retry_after_ms)
     if err.queue_position is not None:
         headers["X-Queue-Position"] = str(err.queue_position)
     return JSONResponse(err.to_body(), status_code=err.status_code, headers=headers)

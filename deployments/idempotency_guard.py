@@ -46,12 +46,9 @@ class IdempotencyGuard:
             InvalidRequestError: the key is not 1-255 visible ASCII characters.
             IdempotencyKeyReusedError: the key came with another body (422).
         """
-        key = request.headers.get("idempotency-key")
+        key = checked_key(request.headers.get("idempotency-key"))
         if key is None:
             return await run()
-        if not 1 <= len(key) <= 255 or not all(33 <= ord(c) <= 126 for c in key):
-            raise InvalidRequestError("Idempotency-Key must be 1-255 visible ASCII characters",
-                                      code="idempotency_key")
         digest = hashlib.sha256(
             f"{request.url.path}\n{body.model_dump_json()}".encode()).hexdigest()
         for _ in range(2):  # a second round if the first runner gave up (transient failure)
@@ -96,3 +93,15 @@ def _replay(stored: StoredResponse) -> JSONResponse:
     return JSONResponse(stored.body, status_code=stored.status_code,
                         headers={**stored.headers, "Idempotent-Replayed": "true"})
 
+
+def checked_key(key: str | None) -> str | None:
+    """An ``Idempotency-Key`` header's value, or ``None`` when absent.
+
+    Raises:
+        InvalidRequestError: the key is not 1-255 visible ASCII characters.
+    """
+    if key is not None and (not 1 <= len(key) <= 255
+                            or not all(33 <= ord(c) <= 126 for c in key)):
+        raise InvalidRequestError("Idempotency-Key must be 1-255 visible ASCII characters",
+                                  code="idempotency_key")
+    return key

@@ -29,6 +29,10 @@ from serve_app.memory.cost_model import failed_allocation_bytes
 from serve_app.memory.probes import DeviceProbe
 from serve_app.metrics import ProcessMetrics
 
+PASS_MEAN_WEIGHT = 0.2
+"""Weight of the newest pass in the mean pass duration (:meth:`InferenceThread.backlog_wait_s`):
+about the last five passes count, so the mean follows a change of load within seconds."""
+
 
 class InferenceThread:
     """Runs leased work for one replica.
@@ -55,6 +59,7 @@ class InferenceThread:
         self.total = 0  # passes the thread ran (abandoned ones not counted), + completions
         # finished on continuous batching (once each, however many steps)
         self.running_since: float | None = None  # monotonic start of the running job
+        self.mean_pass_s: float | None = None  # mean duration of a pass (or a decode step)
 
     def start(self, tickets: Sequence[Ticket],
               work: Callable[[], Any]) -> tuple[asyncio.Future, _Job]:
@@ -95,6 +100,8 @@ class InferenceThread:
                 self.log_finished(ticket, outcome, job.duration_s, job.peak_bytes)
             ticket.device_done(ran)
         self.total += ran
+        if ran:
+            self._record_pass(job.duration_s)
         self._observe(job, ran, error, tickets, leased_bytes)
 
     def _observe(self, job: _Job, ran: bool, error: BaseException | None,
@@ -130,8 +137,7 @@ class InferenceThread:
         """
         started = asyncio.ensure_future(job.started.wait())
         waited_from = time.monotonic()
-        limit_s = max(0.0, self._admission.max_queue_wait_s
-                      - max(t.queue_wait_s for t in tickets))
+        limit_s = max(0.0, min(self._wait_left_s(t) for t in tickets))
         try:
             done, _ = await asyncio.wait({future, started}, timeout=limit_s,
                                          return_when=asyncio.FIRST_COMPLETED)
@@ -156,6 +162,11 @@ class InferenceThread:
         self._metrics.inc("admission_decisions", outcome="admitted",
                           reason="queued" if ticket.admission.queue_position else "at_once")
         self._metrics.observe("queue_wait_seconds", ticket.queue_wait_s)
+        predicted_s = ticket.admission.predicted_wait_s
+        if predicted_s is not None:
+            error_s = ticket.queue_wait_s - predicted_s
+            self._metrics.observe("queue_wait_prediction_error_seconds", abs(error_s),
+                                  side="longer" if error_s > 0 else "shorter")
         self._log.event("admitted", ticket.lease.nbytes, ticket.admission.request_id,
                         queue_wait_s=round(ticket.queue_wait_s, 4),
                         queue_position=ticket.admission.queue_position, batch=batch)
@@ -172,7 +183,7 @@ class InferenceThread:
                 ``max_queue_wait_s`` in all (for the lease, a batch and the thread) before
                 starting; it never starts then.
         """
-        if max(t.queue_wait_s for t in tickets) >= self._admission.max_queue_wait_s:
+        if min(self._wait_left_s(t) for t in tickets) <= 0:
             for ticket in tickets:  # waited its whole bound before reaching the thread
                 ticket.device_done(ran=False)
             raise self.queue_timeout(tickets)
@@ -199,7 +210,9 @@ class InferenceThread:
         job = _Job(work, loop, self)
         self.running += 1
         try:
-            return await loop.run_in_executor(self._executor, job)
+            result = await loop.run_in_executor(self._executor, job)
+            self._record_pass(job.duration_s)
+            return result
         except Exception as exc:
             self.health.after_failure(exc, leased_bytes, job.oom_needed_bytes, job.canary_ok)
             raise self.health.error_for(exc, leased_bytes) from None
@@ -208,14 +221,32 @@ class InferenceThread:
             if self.running_since == job.started_at:
                 self.running_since = None
 
+    def _wait_left_s(self, ticket: Ticket) -> float:
+        """Seconds ``ticket``'s request may still wait before it starts (its bound, less
+        what it waited)."""
+        return ticket.request.wait_bound_s(self._admission.max_queue_wait_s) \
+            - ticket.queue_wait_s
+
+    def backlog_wait_s(self, pending_passes: int = 0) -> float:
+        """Seconds a request handed to the thread now would wait for it: the passes on (or
+        queued for) the thread, plus ``pending_passes`` not yet formed, times the mean pass
+        duration measured so far (an exponentially weighted mean, weight
+        ``PASS_MEAN_WEIGHT``); 0 before any pass ran."""
+        return (self.running + pending_passes) * (self.mean_pass_s or 0.0)
+
+    def _record_pass(self, duration_s: float) -> None:
+        self.mean_pass_s = duration_s if self.mean_pass_s is None else (
+            PASS_MEAN_WEIGHT * duration_s + (1 - PASS_MEAN_WEIGHT) * self.mean_pass_s)
+
     def queue_timeout(self, tickets: Sequence[Ticket]) -> OverloadedError:
-        """503 ``queue_timeout`` for work that waited ``max_queue_wait_s`` without starting
-        (counted as rejected here)."""
+        """503 ``queue_timeout`` for work that waited its whole bound (``max_queue_wait_s``
+        or the client's shorter limit) without starting (counted as rejected here)."""
         self._metrics.inc("admission_decisions", len(tickets), outcome="rejected",
                           reason="queue_timeout")
+        bound_s = min(t.request.wait_bound_s(self._admission.max_queue_wait_s) for t in tickets)
         return OverloadedError(
-            f"waited {self._admission.max_queue_wait_s:g} s for the inference thread without "
-            "starting", code="queue_timeout",
+            f"waited {bound_s:g} s for the inference thread without starting",
+            code="queue_timeout",
             retry_after_s=self._gate.backlog_retry_after_s(
                 sum(t.lease.nbytes for t in tickets)))
 

@@ -30,12 +30,14 @@ from deployments.http_middleware import (
     HttpMetricsMiddleware,
 )
 from deployments.idempotency_guard import IdempotencyGuard
+from deployments.job_broker import open_job_store
+from deployments.jobs_http import JobsFront
 from deployments.model_client import ModelClient
 from deployments.openapi import responses
 from deployments.registry import publish_forever
 from deployments.replica_view import ReplicaView
 from deployments.request_factory import RequestFactory
-from deployments.routes import ROUTES, RouteContext
+from deployments.routes import ROUTES, Route, RouteContext
 from serve_app.admission.policy import policy_class
 from serve_app.config import AppArgs, parse_args
 from serve_app.errors import OverloadedError
@@ -55,10 +57,13 @@ class Ingress:
         model: handle to the :class:`deployments.model_server.ModelServer` deployment.
         registry: handle to :class:`deployments.registry.ReplicaRegistry`.
         idempotency: handle to :class:`deployments.idempotency.IdempotencyStore`.
+        jobs: handle to the embedded :class:`deployments.job_broker.JobBroker`, or ``None``
+            (``jobs.redis_url`` set, or jobs off).
     """
 
     async def __init__(self, args: AppArgs | dict[str, Any], model: DeploymentHandle,
-                       registry: DeploymentHandle, idempotency: DeploymentHandle) -> None:
+                       registry: DeploymentHandle, idempotency: DeploymentHandle,
+                       jobs: DeploymentHandle | None = None) -> None:
         self._args = args = parse_args(args)
         self._registry = registry
         self._created = int(time.time())
@@ -75,7 +80,14 @@ class Ingress:
                                  adm.max_queue_wait_s + adm.inference_timeout_s + 5,
                                  self._metrics)
         self._front_end = front_end
-        self._routes = RouteContext(args, RequestFactory(args, front_end), self._client, guard)
+        routes_by_path: dict[str, Route] = {}
+        self._jobs = JobsFront(await open_job_store(args, jobs), routes_by_path,
+                               self._replicas) if args.jobs.enabled else None
+        context = RouteContext(args, RequestFactory(args, front_end), self._client, guard,
+                               self._jobs)
+        self._route_list = [route(context) for route in ROUTES
+                            if route.kind in self._engine.kinds]
+        routes_by_path.update({route.path: route for route in self._route_list})
         self._publisher = asyncio.get_running_loop().create_task(
             publish_forever(registry, self._replica_id, self._metrics))
 
@@ -89,9 +101,10 @@ class Ingress:
         app.add_middleware(HttpMetricsMiddleware, metrics=self._metrics)
         app.add_middleware(HeadMiddleware)  # outermost: the others see a GET
         install_error_handlers(app)
-        for route in ROUTES:
-            if route.kind in self._engine.kinds:
-                route(self._routes).install(app)
+        for route in self._route_list:
+            route.install(app)
+        if self._jobs is not None:
+            self._jobs.install(app)
         app.get("/v1/models", response_model=None,
                 responses=responses(ModelList, 401))(self.models)
         app.get("/v1/status", response_model=None,

@@ -19,6 +19,7 @@ import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -27,7 +28,7 @@ from deployments.decode_loop import DecodeLoop
 from deployments.device_health import DeviceHealth, draining_error
 from deployments.inference import InferenceThread
 from deployments.request_log import RequestLog
-from serve_app.admission.controller import Admission, AdmissionController
+from serve_app.admission.controller import Admission, AdmissionController, OnQueued
 from serve_app.admission.ticket import Ticket
 from serve_app.config import AppArgs
 from serve_app.errors import InvalidRequestError, ModelNotFoundError, ServeAppError
@@ -36,6 +37,17 @@ from serve_app.metrics import ProcessMetrics
 from serve_app.pricing import Pricer, shape_bytes
 from serve_app.request import InferenceRequest
 from serve_app.schemas import Admitted, InferenceResult
+
+POSITION_EVERY_S = 1.0
+"""A waiting stream hears its position at least this often (it also hears every move)."""
+
+
+def _queued_item(position: int, eta_s: float | None, told_at: float) -> dict[str, Any]:
+    """A ``queued`` item: the position, and the predicted wait less what passed since it was
+    predicted (milliseconds; ``None`` while no drain rate is measured)."""
+    eta_ms = None if eta_s is None else max(
+        0, round((eta_s - (time.monotonic() - told_at)) * 1000))
+    return {"position": position, "eta_ms": eta_ms}
 
 
 class RequestLifecycle:
@@ -68,8 +80,11 @@ class RequestLifecycle:
         self._args, self._metrics, self._log = args, metrics, log
         self._replica_id, self._request_id = replica_id, request_id
 
-    async def infer(self, request: InferenceRequest) -> InferenceResult:
+    async def infer(self, request: InferenceRequest,
+                    admission: Admission | None = None) -> InferenceResult:
         """Run ``request`` once admitted; batched with others where its ``batch_key`` allows.
+        ``admission``: a lease it already holds (a durable job's, taken when it fitted); the
+        request then owns it, whatever happens.
 
         Raises:
             ModelNotFoundError: the engine does not serve the request's kind (404).
@@ -79,8 +94,13 @@ class RequestLifecycle:
             OverloadedError: ``oom``, or ``draining`` after a device fault, including output
                 with NaN/Inf (503).
         """
-        self._accept(request)
-        async with self._lease(request) as ticket:
+        try:
+            self._accept(request)
+        except BaseException:
+            if admission is not None:
+                self._gate.release(admission.lease, ran=False)
+            raise
+        async with self._lease(request, admission) as ticket:
             if self._decode is not None and KINDS[request.kind].generates:
                 output = await self._decode.generate(ticket)
             elif self._batcher is not None:
@@ -94,16 +114,22 @@ class RequestLifecycle:
             return InferenceResult(output, self._admitted(ticket), self._replica_id)
 
     async def infer_stream(self, request: InferenceRequest) -> AsyncIterator[dict[str, Any]]:
-        """Stream a request: first ``{"admitted": Admitted}`` once the lease is held, then
+        """Stream a request: while it waits for its lease, ``{"queued": {"position",
+        "eta_ms"}}`` when it is queued, whenever it moves up and at least every
+        ``POSITION_EVERY_S``; then ``{"admitted": Admitted}`` once the lease is held, then
         ``{"text": piece}`` items, then ``{"finish_reason", "prompt_tokens",
         "completion_tokens"}``. Errors before the first item are :meth:`infer`'s; an error
-        after it (e.g. ``InferenceTimeoutError``) ends the stream by raising.
+        after it (a refusal after it was queued, ``InferenceTimeoutError``) ends the stream
+        by raising.
 
         When the consumer goes away, generation stops at the next token and the lease is
         released once the inference thread has returned.
         """
         self._accept(request)
-        async with self._lease(request) as ticket:
+        admissions: list[Admission] = []
+        async for item in self._admit_watched(request, admissions):
+            yield item
+        async with self._lease(request, admissions[0]) as ticket:
             if self._decode is not None:
                 async for item in self._stream_steps(ticket):
                     yield item
@@ -121,13 +147,42 @@ class RequestLifecycle:
         self._metrics.inc("admission_decisions", outcome="cancelled", reason="client_gone")
 
     @contextlib.asynccontextmanager
-    async def _lease(self, request: InferenceRequest) -> AsyncIterator[Ticket]:
-        """The request's ticket, from admission to the one ``finally`` that lets go of it."""
-        ticket = Ticket(request, await self._admit(request), self._give_back)
+    async def _lease(self, request: InferenceRequest,
+                     admission: Admission | None = None) -> AsyncIterator[Ticket]:
+        """The request's ticket, from admission (or the ``admission`` it already holds) to
+        the one ``finally`` that lets go of it."""
+        ticket = Ticket(request, admission or await self._admit(request), self._give_back)
         try:
             yield ticket
         finally:
             ticket.caller_done()
+
+    async def _admit_watched(self, request: InferenceRequest,
+                             admissions: list[Admission]) -> AsyncIterator[dict[str, Any]]:
+        """:meth:`_admit`, yielding ``{"queued": ...}`` items while the request waits; the
+        admission is appended to ``admissions``. If the consumer leaves meanwhile, the wait
+        is cancelled (a lease granted in that instant goes back unused)."""
+        moves: asyncio.Queue[tuple[int, float | None]] = asyncio.Queue()
+        admit = asyncio.ensure_future(self._admit(
+            request, on_queued=lambda position, eta_s: moves.put_nowait((position, eta_s))))
+        try:
+            last: tuple[int, float | None, float] | None = None
+            while not admit.done():
+                move = asyncio.ensure_future(moves.get())
+                done, _ = await asyncio.wait({admit, move}, timeout=POSITION_EVERY_S,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if move in done:
+                    last = (*move.result(), time.monotonic())
+                else:
+                    move.cancel()
+                if last is not None and (move in done or not done):
+                    yield {"queued": _queued_item(*last)}
+        except BaseException:
+            admit.cancel()
+            if admit.done() and not admit.cancelled() and admit.exception() is None:
+                self._gate.release(admit.result().lease, ran=False)
+            raise
+        admissions.append(admit.result())
 
     def _give_back(self, ticket: Ticket, *, ran: bool) -> None:
         """The one place a lease goes back (``ran``: the device used it)."""
@@ -150,7 +205,8 @@ class RequestLifecycle:
             raise InvalidRequestError(f"the request is priced at {tuple(shape)} (inputs, "
                                       "tokens, new tokens), smaller than it is", code="shape")
 
-    async def _admit(self, request: InferenceRequest) -> Admission:
+    async def _admit(self, request: InferenceRequest,
+                     on_queued: OnQueued | None = None) -> Admission:
         """A lease for ``request``'s priced shape. Refusals are counted here (the admission
         is counted once the inference thread takes the request up: :mod:`.inference`). The
         time since ``sent_at_s`` (wall clock, the ingress's; clamped at 0) counts as queue
@@ -168,10 +224,9 @@ class RequestLifecycle:
             sent_at_s = request.sent_at_s
             waited_s = 0.0 if sent_at_s is None else max(0.0, time.time() - sent_at_s)
             admission = await self._gate.acquire(self._pricer.policy.units(request_bytes),
-                                                 waited_s)
+                                                 waited_s, request.wait_limit_s, on_queued)
             # Kept with the lease: a batch runs outside this request's logging context.
-            return Admission(admission.lease, admission.queue_wait_s,
-                             admission.queue_position, self._request_id() or "")
+            return replace(admission, request_id=self._request_id() or "")
         except ServeAppError as exc:
             self._metrics.inc("admission_decisions", outcome="rejected", reason=exc.code)
             raise

@@ -15,6 +15,7 @@ from ray.serve.handle import DeploymentHandle
 from deployments.http_errors import as_serve_app_error
 from deployments.ray_compat import replica_assigned
 from deployments.replica_view import ReplicaView
+from serve_app.admission.drain import MAX_RETRY_AFTER_S
 from serve_app.errors import OverloadedError, ServeAppError
 from serve_app.metrics import ProcessMetrics
 from serve_app.request import InferenceRequest
@@ -43,8 +44,9 @@ class ModelClient:
             ServeAppError: the replica's typed errors, and Ray's refusals as 503 (see
                 :meth:`call`).
         """
-        response = self._model.infer.remote(await self._priced(request))
-        await self._wait_for_a_replica(response)
+        request = await self._priced(request)
+        response = self._model.infer.remote(request)
+        await self._wait_for_a_replica(response, request)
         return await self.call(lambda: response)
 
     async def stream(self, request: InferenceRequest,
@@ -55,9 +57,9 @@ class ModelClient:
 
         Raises: as :meth:`infer`, before the first item.
         """
-        stream = self._model.options(stream=True).infer_stream.remote(
-            await self._priced(request))
-        await self._wait_for_a_replica(stream)
+        request = await self._priced(request)
+        stream = self._model.options(stream=True).infer_stream.remote(request)
+        await self._wait_for_a_replica(stream, request)
         first = await self.call(lambda: stream.__anext__())
 
         async def rest() -> AsyncIterator[dict[str, Any]]:
@@ -71,10 +73,27 @@ class ModelClient:
 
     async def _priced(self, request: InferenceRequest) -> InferenceRequest:
         """``request`` with the router's price and the time it is sent (the replica counts
-        the time it spends reaching it as queue wait)."""
-        return request.sent(await self._replicas.estimate(request.shape), time.time())
+        the time it spends reaching it as queue wait).
 
-    async def _wait_for_a_replica(self, response: Any) -> None:
+        Raises:
+            OverloadedError: ``predicted_timeout``: every replica's published figures predict
+                a wait longer than the request may wait (:meth:`ReplicaView.predicted_wait_s`),
+                refused before it joins Ray Serve's queue.
+        """
+        units = await self._replicas.estimate(request.shape)
+        predicted_s = await self._replicas.predicted_wait_s(units)
+        left_s = request.wait_bound_s(self._max_queue_wait_s)
+        if predicted_s is not None and predicted_s > left_s:
+            self._metrics.inc("admission_decisions", outcome="rejected",
+                              reason="predicted_timeout")
+            raise OverloadedError(
+                f"refused at once: the predicted wait of {predicted_s:.3g} s on every model "
+                f"replica exceeds the {left_s:.3g} s this request may wait",
+                code="predicted_timeout",
+                retry_after_s=min(MAX_RETRY_AFTER_S, predicted_s - left_s))
+        return request.sent(units, time.time())
+
+    async def _wait_for_a_replica(self, response: Any, request: InferenceRequest) -> None:
         """Wait until Ray Serve has handed ``response``'s request to a replica, at most
         ``admission.max_queue_wait_s``. Requests wait in the handle's queue while every
         replica has ``max_ongoing_requests`` in flight; Ray bounds that queue's length
@@ -93,7 +112,8 @@ class ModelClient:
             return
         assigned = asyncio.ensure_future(awaitable)
         try:
-            done, _ = await asyncio.wait({assigned}, timeout=self._max_queue_wait_s)
+            done, _ = await asyncio.wait(
+                {assigned}, timeout=request.wait_bound_s(self._max_queue_wait_s))
         except asyncio.CancelledError:  # the client left: so does the request
             assigned.cancel()
             response.cancel()
@@ -106,7 +126,8 @@ class ModelClient:
         response.cancel()
         self._metrics.inc("admission_decisions", outcome="rejected", reason="queue_timeout")
         raise OverloadedError(
-            f"waited {self._max_queue_wait_s:g} s for a model replica to accept the request",
+            f"waited {request.wait_bound_s(self._max_queue_wait_s):g} s for a model replica "
+            "to accept the request",
             code="queue_timeout", retry_after_s=await self._replicas.retry_after_s())
 
     async def call(self, method: Callable[..., Awaitable[Any]] | Any, *args: Any,

@@ -21,10 +21,15 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments.engines.registry import engine_class
 from deployments.fail_fast import REFUSALS, refusal_text, stop_serve_run_with
+from deployments.job_broker import open_job_store
+from deployments.jobs_worker import JobWorker
 from deployments.profiling import measure_replica
 from deployments.registry import publish_forever
 from deployments.replica import Replica, ReplicaIdentity
+from deployments.request_factory import RequestFactory
+from deployments.routes import ROUTES, RouteContext
 from serve_app.config import AppArgs, parse_args
 from serve_app.measurement import allocator_setting
 from serve_app.metrics import REPLICA_EVENT_COUNTERS, ProcessMetrics
@@ -54,6 +59,9 @@ class ModelServer:
         registry: handle to :class:`deployments.registry.ReplicaRegistry`, or ``None``.
         plan: the deployment's plan (:meth:`serve_app.planning.DeploymentPlan.summary`),
             shown in ``/v1/status`` as ``deployment_plan``.
+        jobs: handle to the embedded :class:`deployments.job_broker.JobBroker`, or ``None``;
+            with ``jobs.enabled`` the replica pulls durable jobs
+            (:class:`deployments.jobs_worker.JobWorker`).
 
     Raises (at start-up):
         InsufficientMemoryError: the budget cannot hold the largest allowed request.
@@ -64,7 +72,8 @@ class ModelServer:
 
     async def __init__(self, args: AppArgs | dict[str, Any],
                        registry: DeploymentHandle | None = None,
-                       plan: dict[str, Any] | None = None) -> None:
+                       plan: dict[str, Any] | None = None,
+                       jobs: DeploymentHandle | None = None) -> None:
         args = parse_args(args)
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference")
         loop = asyncio.get_running_loop()
@@ -91,7 +100,20 @@ class ModelServer:
             request_id=lambda: serve.context._get_serve_request_context().request_id)
         self._publisher = loop.create_task(publish_forever(
             registry, replica_id, metrics, self._refresh)) if registry else None
+        self._jobs = await self._job_worker(args, jobs, replica_id) \
+            if args.jobs.enabled else None
+        self._puller = loop.create_task(self._jobs.run_forever()) if self._jobs else None
         logger.info("model replica ready: %s", identity.memory)
+
+    async def _job_worker(self, args: AppArgs, broker: DeploymentHandle | None,
+                          replica_id: str) -> JobWorker:
+        """The replica's job puller, with the routes built on its own request factory."""
+        front_end = await asyncio.to_thread(engine_class(args).front_end, args)
+        context = RouteContext(args, RequestFactory(args, front_end), client=None, guard=None)
+        routes = {route.path: route(context) for route in ROUTES
+                  if route.kind in self._replica.engine.kinds}
+        return JobWorker(await open_job_store(args, broker), self._replica, routes,
+                         replica_id, args.jobs)
 
     async def infer(self, request: InferenceRequest) -> InferenceResult:
         """Run one validated request (:meth:`RequestLifecycle.infer`)."""
@@ -141,5 +163,8 @@ class ModelServer:
     def __del__(self) -> None:
         if getattr(self, "_publisher", None) is not None:
             self._publisher.cancel()
+        if getattr(self, "_puller", None) is not None:
+            self._puller.cancel()
+            self._jobs.close()
         if getattr(self, "_replica", None) is not None:
             self._replica.close()

@@ -69,11 +69,12 @@ class Replica:
                  request_id: Callable[[], str] = lambda: "") -> None:
         adm = args.admission
         self.args, self.engine, self.probe, self.identity = args, engine, probe, identity
+        self.jobs_queued = 0  # the app's durable queue as last read (deployments.jobs_worker)
         self.metrics = metrics
         self.cost_model = CorrectedCostModel(cost_model)
         self.policy = make_policy(adm, budget_bytes)
         self.gate = AdmissionController(self.policy.capacity_units, adm.max_queue_len,
-                                        adm.max_queue_wait_s)
+                                        adm.max_queue_wait_s, thread_wait_s=self._thread_wait_s)
         self.health = DeviceHealth(engine, probe, self.gate, self.policy, self.cost_model,
                                    adm, metrics)
         self.log = RequestLog(identity.replica_id, probe)
@@ -89,13 +90,21 @@ class Replica:
                                           self.batcher, self.health, args, metrics, self.log,
                                           identity.replica_id, request_id, self.decode)
 
+    def _thread_wait_s(self) -> float:
+        """Seconds a request admitted now would wait for the inference thread (for the
+        gate's predictions): the passes running or queued on it, and those the batcher's
+        waiting requests will form."""
+        pending = self.batcher.pending_passes if self.batcher is not None else 0
+        return self.thread.backlog_wait_s(pending)
+
     def state(self) -> ReplicaState:
         """This replica's state now (``GET /v1/status``, routing and autoscaling stats)."""
         budget, queue, policy = self.gate.budget, self.gate.queue, self.policy
         gate = GateFigures(
             budget.budget_bytes, budget.reserved_bytes, budget.peak_reserved_bytes,
             budget.free_bytes, budget.active_leases, queue.queue_depth, queue.queued_bytes,
-            budget.charged_bytes_total, budget.released_bytes_total, queue.drain.bytes_per_s())
+            budget.charged_bytes_total, budget.released_bytes_total, queue.drain.bytes_per_s(),
+            self._thread_wait_s(), queue.drain.busy_bytes_per_s())
         identity, args = self.identity, self.args
         return ReplicaState(
             identity.replica_id, identity.node_id, identity.gpu_ids,
@@ -104,7 +113,8 @@ class Replica:
             identity.memory or {}, self.cost_model.published(), gate,
             self.health.figures(self.thread.running, self.thread.total), policy.budget_bytes,
             policy.measured_budget_bytes, policy.shrink_count, policy.regrow_count,
-            time.time(), self.decode.figures() if self.decode is not None else None)
+            time.time(), self.decode.figures() if self.decode is not None else None,
+            self.jobs_queued)
 
     def close(self) -> None:
         """Stop batching and the thread (replica shutdown)."""

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from ray.serve.handle import DeploymentHandle
 
 from deployments.http_errors import as_serve_app_error
-from serve_app.admission.drain import retry_after_s
+from serve_app.admission.drain import predicted_wait_s, wait_s
 from serve_app.memory.cost_model import Shape
 from serve_app.pricing import UnitsPolicy, estimate_units
 from serve_app.replica_state import ReplicaState
@@ -62,10 +62,24 @@ class ReplicaView:
         return estimate_units([s.cost_model for s in await self.states()], shape,
                               self._policy)
 
-    async def retry_after_s(self) -> int:
+    async def predicted_wait_s(self, units: int | None) -> float | None:
+        """The shortest wait a request of ``units`` should get on any replica before it
+        starts (:func:`serve_app.admission.drain.predicted_wait_s` of each replica's
+        published gate), ``None`` while no replica has a measured rate or its price is
+        unknown. Published figures are up to a publish period old, so this is a first
+        check: the replica decides again on its own figures."""
+        if units is None:
+            return None
+        waits = [predicted_wait_s(s.gate.queued_bytes + units - s.gate.free_bytes,
+                                  s.gate.busy_drain_bytes_per_s, s.gate.thread_wait_s)
+                 for s in await self.states()]
+        known = [w for w in waits if w is not None]
+        return min(known) if known and len(known) == len(waits) else None
+
+    async def retry_after_s(self) -> float:
         """``Retry-After`` for a request refused before reaching a replica: the bytes queued
         on all replicas over their summed measured drain rate."""
         states = await self.states()
         queued = sum(s.gate.queued_bytes for s in states)
         rate = sum(s.gate.drain_bytes_per_s or 0.0 for s in states)
-        return retry_after_s(queued, rate, fallback_s=self._fallback_s)
+        return wait_s(queued, rate, fallback_s=self._fallback_s)

@@ -132,7 +132,9 @@ def run_row(outcomes: Mapping[str, Any], before: Sequence[Sample], after: Sequen
         ``vramgate_inference_seconds`` histogram's increase); ``latency_bound_ms`` =
         ``max_queue_wait_s`` + that p99; ``within_bound``; ``non_2xx`` and
         ``non_2xx_all_503_retry_after`` (every non-2xx but deliberate aborts was a 503 with
-        ``Retry-After``: refused or oom).
+        ``Retry-After``: refused or oom); ``queue_timeout`` (503s after the whole wait) and
+        ``predicted_timeout`` (503s at once, their predicted wait too long) from the
+        locustfile's ``status_codes``; ``refused_p99_ms``, the client-side p99 of refusals.
     """
     by_outcome = outcomes.get("by_outcome", {})
     counts = {o.value: int(by_outcome.get(o.value, {}).get("count", 0)) for o in Outcome}
@@ -159,6 +161,9 @@ def run_row(outcomes: Mapping[str, Any], before: Sequence[Sample], after: Sequen
         "within_bound": None if bound_ms is None or p99_ms is None else p99_ms <= bound_ms,
         "non_2xx": non_2xx,
         "non_2xx_all_503_retry_after": non_2xx == counts["refused"] + counts["oom"],
+        **{code: int(outcomes.get("status_codes", {}).get(f"503 {code}", 0))
+           for code in ("queue_timeout", "predicted_timeout")},
+        "refused_p99_ms": by_outcome.get(Outcome.REFUSED.value, {}).get("p99_ms"),
     }
 
 

@@ -15,6 +15,7 @@ from deployments.engines.registry import engine_class
 from deployments.fail_fast import REFUSALS, DeploymentRefused, stop_serve_run_with
 from deployments.idempotency import IdempotencyStore
 from deployments.ingress import Ingress
+from deployments.job_broker import JobBroker, broker_data_dir
 from deployments.model_server import ModelServer
 from deployments.registry import ReplicaRegistry
 from deployments.router import ROUTER_CLASS_PATH
@@ -33,8 +34,10 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     """Build the vramgate application from a config's ``args:``.
 
     The graph is Ingress (HTTP, FastAPI) -> ModelServer replicas (the model behind the
-    byte-budget gate), plus the ReplicaRegistry they publish their state to. Deployment options
-    (``num_gpus``, ``max_ongoing_requests``) come from :func:`serve_app.planning.plan_deployment`.
+    byte-budget gate), plus the ReplicaRegistry they publish their state to and, for durable
+    jobs without ``jobs.redis_url``, the JobBroker that runs their embedded Redis. Deployment
+    options (``num_gpus``, ``max_ongoing_requests``) come from
+    :func:`serve_app.planning.plan_deployment`.
 
     The deployments get the validated args (parsed once, here) and the engine is resolved
     here too (:func:`deployments.engines.registry.engine_class`), so a bad engine name or
@@ -61,13 +64,15 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     logging_config = {"encoding": cfg.logging.encoding, "log_level": cfg.logging.log_level}
     registry = ReplicaRegistry.bind()
     idempotency = IdempotencyStore.bind(cfg.idempotency.ttl_s, cfg.idempotency.max_entries)
+    broker = JobBroker.bind(broker_data_dir(cfg)) \
+        if cfg.jobs.enabled and not cfg.jobs.redis_url else None
     model = ModelServer.options(**_model_options(cfg, plan), logging_config=logging_config,
-                                ).bind(cfg, registry, plan.summary())
+                                ).bind(cfg, registry, plan.summary(), broker)
     return Ingress.options(
         num_replicas=cfg.deployment.ingress_replicas,
         max_ongoing_requests=cfg.deployment.ingress_max_ongoing_requests,
         logging_config=logging_config,
-    ).bind(cfg, model, registry, idempotency)
+    ).bind(cfg, model, registry, idempotency, broker)
 
 
 def _model_options(cfg: AppArgs, plan: DeploymentPlan) -> dict[str, Any]:

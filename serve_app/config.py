@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from serve_app.jobs.config import JobsConfig
+
 MiB = 1 << 20
 GiB = 1 << 30
 PACKAGED_NAME = "all-MiniLM-L6-v2"
@@ -332,6 +334,7 @@ class AppArgs(_Section):
     idempotency: IdempotencyConfig = IdempotencyConfig()
     logging: LoggingConfig = LoggingConfig()
     batching: BatchingConfig = BatchingConfig()
+    jobs: JobsConfig = JobsConfig()
 
     @model_validator(mode="after")
     def _check_device(self) -> AppArgs:

@@ -24,6 +24,8 @@ class ServeAppError(Exception):
         code: the machine-readable ``code`` string (see the README's error table).
         message: human-readable, safe to show to clients.
         retry_after_s: for 503s, whole seconds the client should wait (>= 1), else ``None``.
+        retry_after_ms: for 503s, the same wait in milliseconds, not rounded up to whole
+            seconds (the ``retry-after-ms`` header the OpenAI SDKs read first), else ``None``.
         queue_position: requests that were ahead of this one when it was queued, if it was.
     """
 
@@ -36,27 +38,34 @@ class ServeAppError(Exception):
         message: str,
         *,
         code: str | None = None,
-        retry_after_s: int | None = None,
+        retry_after_s: float | None = None,
         queue_position: int | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.code = code or self.default_code
-        self.retry_after_s = retry_after_s
+        self.retry_after_s = None if retry_after_s is None else math.ceil(retry_after_s)
+        self.retry_after_ms = None if retry_after_s is None else _ms(retry_after_s)
         self.queue_position = queue_position
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Keyword-only arguments are lost by Exception's default pickling; keep them.
-        return (_rebuild, (type(self), self.message, self.code, self.retry_after_s,
-                           self.queue_position))
+        # Keyword-only arguments are lost by Exception's default pickling; keep them (the
+        # wait with its milliseconds).
+        wait_s = None if self.retry_after_ms is None else self.retry_after_ms / 1000
+        return (_rebuild, (type(self), self.message, self.code, wait_s, self.queue_position))
 
     def to_body(self) -> dict[str, Any]:
         """The OpenAI error body: ``{"error": {"message", "type", "code"}}``."""
         return {"error": {"message": self.message, "type": self.type, "code": self.code}}
 
 
+def _ms(wait_s: float) -> int:
+    """A wait in whole milliseconds, rounded up, at least 1."""
+    return max(1, math.ceil(wait_s * 1000 - 1e-6))
+
+
 def _rebuild(cls: type[ServeAppError], message: str, code: str | None,
-             retry_after_s: int | None, queue_position: int | None) -> ServeAppError:
+             retry_after_s: float | None, queue_position: int | None) -> ServeAppError:
     return cls(message, code=code, retry_after_s=retry_after_s, queue_position=queue_position)
 
 
@@ -107,9 +116,12 @@ class IdempotencyKeyReusedError(ServeAppError):
 
 
 class OverloadedError(ServeAppError):
-    """503: a transient capacity refusal, always with ``retry_after_s`` >= 1.
+    """503: a transient capacity refusal, always with a wait: ``retry_after_s`` (whole
+    seconds, >= 1, for ``Retry-After``) and ``retry_after_ms`` (the same wait unrounded, >= 1).
+    ``retry_after_s`` given as a float keeps its milliseconds; ``None`` means 1 s.
 
-    ``code`` is one of ``queue_full``, ``queue_timeout``, ``oom``, ``no_replicas``, ``draining``.
+    ``code`` is one of ``queue_full``, ``queue_timeout``, ``predicted_timeout``, ``oom``,
+    ``no_replicas``, ``draining``, ``jobs_full``.
     """
 
     status_code = 503
@@ -117,10 +129,11 @@ class OverloadedError(ServeAppError):
     default_code = "queue_full"
 
     def __init__(self, message: str, *, code: str | None = None,
-                 retry_after_s: int | None = None, queue_position: int | None = None) -> None:
+                 retry_after_s: float | None = None, queue_position: int | None = None) -> None:
         super().__init__(message, code=code,
-                         retry_after_s=max(1, math.ceil(retry_after_s or 1)),
+                         retry_after_s=1.0 if retry_after_s is None else retry_after_s,
                          queue_position=queue_position)
+        self.retry_after_s = max(1, self.retry_after_s)
 
 
 class InferenceTimeoutError(ServeAppError):

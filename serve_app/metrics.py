@@ -107,6 +107,10 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("histogram", "queue_wait_seconds",
                "Wait for a lease and the inference thread, of admitted requests.",
                buckets=SECONDS_BUCKETS),
+    MetricSpec("histogram", "queue_wait_prediction_error_seconds",
+               "How far the wait before starting was from the wait predicted at arrival, of "
+               "admitted requests with a prediction; side: longer (waited more than "
+               "predicted) or shorter.", ("side",), SECONDS_BUCKETS),
     MetricSpec("histogram", "inference_seconds", "Time on the inference thread per request.",
                buckets=SECONDS_BUCKETS),
     MetricSpec("histogram", "request_measured_over_estimated",

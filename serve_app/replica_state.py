@@ -32,9 +32,10 @@ AUTOSCALING_QUEUED_BYTES_KEY = "vramgate_queued_bytes"
 AUTOSCALING_RESERVED_BYTES_KEY = "vramgate_reserved_bytes"
 AUTOSCALING_BUDGET_BYTES_KEY = "vramgate_budget_bytes"
 AUTOSCALING_RUNNING_REQUESTS_KEY = "vramgate_running_requests"
+AUTOSCALING_JOBS_QUEUED_KEY = "vramgate_jobs_queued"
 AUTOSCALING_KEYS = (AUTOSCALING_QUEUE_DEPTH_KEY, AUTOSCALING_QUEUED_BYTES_KEY,
                     AUTOSCALING_RESERVED_BYTES_KEY, AUTOSCALING_BUDGET_BYTES_KEY,
-                    AUTOSCALING_RUNNING_REQUESTS_KEY)
+                    AUTOSCALING_RUNNING_REQUESTS_KEY, AUTOSCALING_JOBS_QUEUED_KEY)
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,10 @@ class GateFigures:
         charged_bytes_total, released_bytes_total: every lease's figure, when taken and
             when given back (equal when idle).
         drain_bytes_per_s: the measured drain rate (``None`` before any lease ran).
+        thread_wait_s: seconds a request admitted now would wait for the inference thread
+            (its backlog of passes), for predicted waits.
+        busy_drain_bytes_per_s: the drain rate while the replica works (idle time left
+            out), for predicted waits (``None`` before any lease ran).
     """
 
     capacity: int
@@ -62,6 +67,8 @@ class GateFigures:
     charged_bytes_total: int
     released_bytes_total: int
     drain_bytes_per_s: float | None
+    thread_wait_s: float = 0.0
+    busy_drain_bytes_per_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +111,8 @@ class ReplicaState:
         measured_budget_bytes: the budget derived at start-up.
         budget_shrink_count, budget_regrow_count: AIMD steps taken.
         updated_at: when it was taken (``time.time()``).
+        jobs_queued: durable jobs waiting in the app's queue, as this replica last read it
+            (0 without jobs).
         kv_cache: continuous batching's figures (sequences running and waiting, KV blocks:
             size in tokens and bytes, the budget's worth, leased, in use), or ``None``
             (no continuous batching on this replica).
@@ -128,6 +137,7 @@ class ReplicaState:
     budget_regrow_count: int
     updated_at: float = field(default=0.0)
     kv_cache: Mapping[str, int] | None = None
+    jobs_queued: int = 0
 
     def to_status(self) -> dict[str, Any]:
         """The JSON shown per replica by ``GET /v1/status``."""
@@ -150,12 +160,15 @@ class ReplicaState:
             "cost_corrections": device.cost_corrections,
             "cost_model": dict(self.cost_model),
             "drain_bytes_per_s": gate.drain_bytes_per_s,
+            "thread_wait_s": round(gate.thread_wait_s, 4),
+            "busy_drain_bytes_per_s": gate.busy_drain_bytes_per_s,
             "budget_bytes": self.budget_bytes,
             "measured_budget_bytes": self.measured_budget_bytes,
             "budget_shrink_count": self.budget_shrink_count,
             "budget_regrow_count": self.budget_regrow_count,
             "updated_at": self.updated_at,
             "kv_cache": dict(self.kv_cache) if self.kv_cache is not None else None,
+            "jobs_queued": self.jobs_queued,
         }
 
     def to_routing_stats(self) -> dict[str, float]:
@@ -172,4 +185,5 @@ class ReplicaState:
                 AUTOSCALING_QUEUED_BYTES_KEY: float(gate.queued_bytes),
                 AUTOSCALING_RESERVED_BYTES_KEY: float(gate.reserved_bytes),
                 AUTOSCALING_BUDGET_BYTES_KEY: float(self.budget_bytes),
-                AUTOSCALING_RUNNING_REQUESTS_KEY: float(gate.active_leases)}
+                AUTOSCALING_RUNNING_REQUESTS_KEY: float(gate.active_leases),
+                AUTOSCALING_JOBS_QUEUED_KEY: float(self.jobs_queued)}

@@ -77,6 +77,8 @@ class InferenceRequest:
             (``None`` before any replica has published one).
         sent_at_s: when the ingress handed it to Ray Serve (``time.time()``); the time it
             spends reaching a replica counts as queue wait.
+        wait_limit_s: the longest the client will wait before it starts, seconds, when it
+            said so (``Prefer: wait``, ``X-Stainless-Read-Timeout``); ``None``: it did not.
     """
 
     kind: str
@@ -87,6 +89,14 @@ class InferenceRequest:
     batch_key: tuple | None = None
     estimated_bytes: int | None = None
     sent_at_s: float | None = None
+    wait_limit_s: float | None = None
+
+    def wait_bound_s(self, max_queue_wait_s: float) -> float:
+        """The longest this request may wait before it starts, in all, seconds: the
+        replica's ``admission.max_queue_wait_s``, or the client's shorter limit."""
+        if self.wait_limit_s is None:
+            return max_queue_wait_s
+        return min(max_queue_wait_s, self.wait_limit_s)
 
     @property
     def token_counts(self) -> list[int]:

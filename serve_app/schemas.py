@@ -301,3 +301,21 @@ class HealthResponse(BaseModel):
 class ReadyResponse(BaseModel):
     status: Literal["ready"]
     replicas: int
+
+
+class JobResponse(BaseModel):
+    """A job (``GET /v1/jobs/{id}``)."""
+
+    id: str
+    object: str = "job"
+    status: str = Field(description="queued, running, succeeded, failed or cancelled.")
+    route: str
+    created_at: float
+    attempts: int
+    position: int | None = Field(None, description="Jobs ahead of it (queued only).")
+    eta_s: float | None = Field(None, description="Predicted seconds until it finishes "
+                                "(queued only; null until a completion rate is measured).")
+    result: dict[str, Any] | None = Field(None, description="The route's normal response "
+                                          "body (succeeded only).")
+    error: dict[str, Any] | None = Field(None, description="The route's error body "
+                                         "(failed only).")

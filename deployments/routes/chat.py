@@ -18,6 +18,7 @@ class ChatCompletionsRoute(GenerationRoute):
 
     id_prefix = "chatcmpl"
 
+    body_model = ChatCompletionRequest
     path = "/v1/chat/completions"
     response_model = ChatCompletionResponse
     stream_events = ("each event's data is a ChatCompletionChunk: the role first, then "

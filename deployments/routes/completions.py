@@ -14,6 +14,7 @@ from serve_app.schemas import CompletionRequest, CompletionResponse
 class CompletionsRoute(GenerationRoute):
     """Text completions of one prompt (text or token ids), whole or streamed."""
 
+    body_model = CompletionRequest
     path = "/v1/completions"
     response_model = CompletionResponse
     stream_events = "each event's data is a CompletionResponse without usage"

@@ -6,16 +6,17 @@ and how its replies look (:class:`Reply`)."""
 # No `from __future__ import annotations` here: FastAPI reads the route signatures at run time.
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from deployments.http_errors import as_serve_app_error
 from deployments.openapi import INFERENCE_ERRORS, INFERENCE_PARAMETERS, responses
-from deployments.routes.base import Route
+from deployments.routes.base import Prepared, Route, request_id_of
+from serve_app.client_wait import client_wait_limit_s, prefers_async
 from serve_app.errors import InvalidRequestError
 from serve_app.request import GenerationOutput, GenerationParams, InferenceRequest
 from serve_app.schemas import GenerationFields
@@ -92,38 +93,55 @@ class GenerationRoute(Route):
         raise NotImplementedError
 
     async def handle(self, body: GenerationFields, request: Request) -> Response:
+        if not body.stream:
+            return await super().handle(body, request)
+        if request.headers.get("idempotency-key") is not None:
+            raise InvalidRequestError("Idempotency-Key is not supported with stream: true",
+                                      code="idempotency_key")
+        if prefers_async(request.headers):
+            raise InvalidRequestError("Prefer: respond-async is not supported with "
+                                      "stream: true (a job's result is fetched whole)",
+                                      code="stream")
+        params, reply = self._checked(body, request_id_of(request))
+        inference = await self.build(body, params, True)
+        return await self._stream(
+            replace(inference, wait_limit_s=client_wait_limit_s(request.headers)), body, reply)
+
+    async def prepare(self, body: GenerationFields, request_id: str) -> Prepared:
+        params, reply = self._checked(body, request_id)
+        inference = await self.build(body, params, False)
+        return Prepared(inference, lambda result: reply.whole(result.output))
+
+    def _checked(self, body: GenerationFields, request_id: str) -> tuple[GenerationParams, Reply]:
+        """The body's parameters, checked against the limits, and its reply's shapes."""
         context = self.context
         context.check_model(body.model)
         params = self.params(body)
         context.factory.check(self.kind, 1, params)
-        request_id = request.headers.get("x-request-id", uuid.uuid4().hex)
-        reply = self.reply(f"{self.id_prefix}-{request_id}", int(time.time()),
-                           context.args.model.name)
-        if body.stream:
-            if request.headers.get("idempotency-key") is not None:
-                raise InvalidRequestError("Idempotency-Key is not supported with stream: true",
-                                          code="idempotency_key")
-            return await self._stream(body, params, reply)
-        return await context.guard.run(request, body,
-                                       lambda: self._complete(body, params, reply))
+        return params, self.reply(f"{self.id_prefix}-{request_id}", int(time.time()),
+                                  context.args.model.name)
 
-    async def _complete(self, body: Any, params: GenerationParams,
-                        reply: Reply) -> JSONResponse:
-        result = await self.context.client.infer(await self.build(body, params, False))
-        return JSONResponse(reply.whole(result.output), headers=result.admitted.headers())
-
-    async def _stream(self, body: GenerationFields, params: GenerationParams,
+    async def _stream(self, inference: InferenceRequest, body: GenerationFields,
                       reply: Reply) -> StreamingResponse:
-        """Admission errors come before the first byte, as ordinary HTTP errors; anything
-        after it goes in-band as a final ``data: {"error": ...}`` event, then ``[DONE]``."""
-        inference = await self.build(body, params, True)
+        """Admission errors come before the first byte, as ordinary HTTP errors, unless the
+        request was queued: a queued stream starts at once with SSE comment lines
+        (``: queued position=N eta_ms=M``, ignored by SSE clients) while it waits. Anything
+        after the first byte goes in-band as a final ``data: {"error": ...}`` event, then
+        ``[DONE]``."""
         first, rest = await self.context.client.stream(inference)
 
         async def events() -> AsyncIterator[str]:
+            if "queued" in first:
+                yield _queued_comment(first["queued"])
             for event in reply.opening():
                 yield _sse(event)
             try:
                 async for item in rest:
+                    if "queued" in item:
+                        yield _queued_comment(item["queued"])
+                        continue
+                    if "admitted" in item:
+                        continue
                     yield _sse(reply.piece(item.get("text", ""), item.get("finish_reason")))
                     if "finish_reason" in item and body.include_usage:
                         yield _sse(reply.usage_event(item["prompt_tokens"],
@@ -134,10 +152,18 @@ class GenerationRoute(Route):
                 await rest.aclose()
             yield "data: [DONE]\n\n"
 
+        headers = first["admitted"].headers() if "admitted" in first else {
+            "X-Queue-Position": str(first["queued"]["position"])}
         return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={**first["admitted"].headers(),
-                                          "Cache-Control": "no-cache"})
+                                 headers={**headers, "Cache-Control": "no-cache"})
 
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def _queued_comment(queued: dict[str, Any]) -> str:
+    """An SSE comment line (ignored by SSE clients): where a waiting stream stands."""
+    eta_ms = queued["eta_ms"]
+    return (f": queued position={queued['position']}"
+            f"{'' if eta_ms is None else f' eta_ms={eta_ms}'}\n\n")

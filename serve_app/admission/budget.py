@@ -7,6 +7,7 @@ Pure: no Ray, torch or FastAPI. Nothing here blocks; waiting is the queue's job
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -53,6 +54,9 @@ class MemoryBudget:
         self.charged_bytes_total = 0
         self.released_bytes_total = 0
         self.peak_reserved_bytes = 0
+        # Told True when the first lease is taken and False when the last goes back: when the
+        # replica works (the drain rate's busy time, serve_app.admission.drain).
+        self.on_busy: Callable[[bool], None] | None = None
 
     @property
     def budget_bytes(self) -> int:
@@ -88,6 +92,8 @@ class MemoryBudget:
         self.peak_reserved_bytes = max(self.peak_reserved_bytes, self._reserved_bytes)
         self.active_leases += 1
         self.charged_bytes_total += nbytes
+        if self.active_leases == 1 and self.on_busy is not None:
+            self.on_busy(True)
         return Lease(next(self._ids), int(nbytes), self)
 
     def set_budget_bytes(self, budget_bytes: int) -> None:
@@ -101,3 +107,5 @@ class MemoryBudget:
         self._reserved_bytes -= lease.nbytes
         self.active_leases -= 1
         self.released_bytes_total += lease.nbytes
+        if self.active_leases == 0 and self.on_busy is not None:
+            self.on_busy(False)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from serve_app.admission.budget import Lease, MemoryBudget
 from serve_app.admission.drain import DrainRateEstimator
-from serve_app.admission.queue import AdmissionQueue, Outcome, Reason, Waiter
+from serve_app.admission.queue import AdmissionQueue, Decision, Outcome, Reason, Waiter
 from serve_app.errors import OverloadedError, RequestTooLargeError
 
 
@@ -28,12 +28,21 @@ class Admission:
             reached the replica (``waited_s`` of :meth:`AdmissionController.acquire`).
         queue_position: waiters ahead of it when it was queued (0 if admitted at once).
         request_id: the request's id, for logs (set by the replica; empty if unknown).
+        predicted_wait_s: the wait before it starts predicted at arrival, with any wait
+            before it reached the replica, as ``queue_wait_s`` counts it (``None``: none
+            could be), to be compared with the wait it got.
     """
 
     lease: Lease
     queue_wait_s: float
     queue_position: int
     request_id: str = ""
+    predicted_wait_s: float | None = None
+
+
+OnQueued = Callable[[int, float | None], None]
+"""Told a waiting request's position (waiters ahead of it) and its predicted seconds to
+admission (``None``: no drain rate measured), when it is queued and whenever it moves up."""
 
 
 class AdmissionController:
@@ -45,49 +54,73 @@ class AdmissionController:
         max_queue_wait_s: longest wait for a lease; longer gets 503 ``queue_timeout``.
         clock: monotonic seconds, injected for tests.
         drain_window_s: window of the drain-rate estimate behind ``Retry-After``.
+        thread_wait_s: the inference thread's backlog in seconds, for predictions
+            (:meth:`AdmissionQueue.predicted_wait_s`).
 
     Must be used from one event loop (the replica's).
     """
 
     def __init__(self, budget_bytes: int, max_queue_len: int, max_queue_wait_s: float,
-                 clock: Callable[[], float] = time.monotonic, drain_window_s: float = 10.0):
+                 clock: Callable[[], float] = time.monotonic, drain_window_s: float = 10.0,
+                 thread_wait_s: Callable[[], float] = lambda: 0.0):
         self._clock = clock
         self._futures: dict[int, asyncio.Future[Lease]] = {}
+        self._watchers: dict[int, tuple[OnQueued, list[int]]] = {}
         self.queue = AdmissionQueue(
             MemoryBudget(budget_bytes), max_queue_len, max_queue_wait_s, clock,
-            DrainRateEstimator(drain_window_s, clock), on_admit=self._wake)
+            DrainRateEstimator(drain_window_s, clock), on_admit=self._wake,
+            on_change=self._moved, thread_wait_s=thread_wait_s)
 
     @property
     def budget(self) -> MemoryBudget:
         return self.queue.budget
 
-    async def acquire(self, nbytes: int, waited_s: float = 0.0) -> Admission:
+    async def acquire(self, nbytes: int, waited_s: float = 0.0,
+                      wait_limit_s: float | None = None,
+                      on_queued: OnQueued | None = None) -> Admission:
         """Wait for a lease of ``nbytes``. ``waited_s``: seconds the request already waited
         before it got here (see :meth:`AdmissionQueue.submit`); it shortens the wait allowed
-        and counts in the admission's ``queue_wait_s``.
+        and counts in the admission's ``queue_wait_s``. ``wait_limit_s``: the client's own
+        limit on its wait, if it gave one. ``on_queued``: told the request's position while
+        it waits (:data:`OnQueued`).
 
         Raises:
             RequestTooLargeError: ``nbytes`` exceeds the whole measured budget (400, at once).
-            OverloadedError: ``queue_full`` at arrival, ``queue_timeout`` after
-                ``max_queue_wait_s``, or ``oom`` when the budget, shrunk after an
-                out-of-memory error, cannot hold it now (503, with ``retry_after_s``).
+            OverloadedError: ``queue_full`` at arrival, ``predicted_timeout`` at arrival (its
+                predicted wait exceeds the time it has), ``queue_timeout`` after that time,
+                or ``oom`` when the budget, shrunk after an out-of-memory error, cannot hold
+                it now (503, with ``retry_after_s``).
             asyncio.CancelledError: the caller was cancelled; nothing stays reserved.
         """
         waited_s = max(0.0, waited_s)
-        decision = self.queue.submit(nbytes, waited_s)
+        decision = self.queue.submit(nbytes, waited_s, wait_limit_s)
         if decision.outcome is Outcome.ADMITTED:
-            return Admission(decision.lease, waited_s, 0)
+            return Admission(decision.lease, waited_s, 0,
+                             predicted_wait_s=_after(waited_s, decision.predicted_wait_s))
         if decision.outcome is Outcome.REJECTED:
-            raise _refusal(decision.reason, nbytes, self.queue.max_budget_bytes,
-                           decision.retry_after_s, decision.queue_position)
+            raise _refusal(decision, self.queue.max_budget_bytes,
+                           self.queue.time_left_s(waited_s, wait_limit_s))
         waiter = decision.waiter
+        if on_queued is not None:
+            position, eta_s = self.queue.positions()[waiter.waiter_id]
+            self._watchers[waiter.waiter_id] = (on_queued, [position])
+            on_queued(position, eta_s)
+        try:
+            lease = await self._wait(waiter, waited_s)
+        finally:
+            self._watchers.pop(waiter.waiter_id, None)
+        return Admission(lease, waited_s + self._clock() - waiter.enqueued_at, waiter.position,
+                         predicted_wait_s=_after(waited_s, waiter.predicted_wait_s))
+
+    async def _wait(self, waiter: Waiter, waited_s: float) -> Lease:
+        """A queued waiter's lease, once admitted; raises as :meth:`acquire`."""
         future = asyncio.get_running_loop().create_future()
         self._futures[waiter.waiter_id] = future
         try:
             # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation
             # that arrives once the future is done (gh-86296), and the client would be served.
             async with asyncio.timeout(waiter.deadline - self._clock()):
-                lease = await asyncio.shield(future)
+                return await asyncio.shield(future)
         except (TimeoutError, asyncio.CancelledError) as exc:
             cancelled = isinstance(exc, asyncio.CancelledError)
             if future.done() and future.exception() is not None:  # evicted in the same instant
@@ -99,18 +132,17 @@ class AdmissionController:
                 if cancelled:
                     self.release(lease, ran=False)
                     raise
-            else:
-                retry_after_s = self.queue.timeout_retry_after_s(waiter)
-                self.queue.cancel(waiter)
-                if cancelled:
-                    raise
-                raise OverloadedError(
-                    f"waited {self.queue.max_queue_wait_s:g} s for memory without being "
-                    "admitted", code=Reason.QUEUE_TIMEOUT.value,
-                    retry_after_s=retry_after_s, queue_position=waiter.position) from None
+                return lease
+            retry_after_s = self.queue.timeout_retry_after_s(waiter)
+            self.queue.cancel(waiter)
+            if cancelled:
+                raise
+            raise OverloadedError(
+                f"waited {waiter.deadline - waiter.enqueued_at + waited_s:g} s for memory "
+                "without being admitted", code=Reason.QUEUE_TIMEOUT.value,
+                retry_after_s=retry_after_s, queue_position=waiter.position) from None
         finally:
             self._futures.pop(waiter.waiter_id, None)
-        return Admission(lease, waited_s + self._clock() - waiter.enqueued_at, waiter.position)
 
     def release(self, lease: Lease, *, ran: bool = True) -> None:
         """Return a lease's bytes (idempotent) and admit whoever now fits.
@@ -124,14 +156,14 @@ class AdmissionController:
             lease.release()
             self.queue.pump()
 
-    def retry_after_s(self, nbytes: int) -> int:
-        """``Retry-After`` for a request of ``nbytes`` refused now: the bytes queued ahead of
-        it plus its own, less what is free, over the measured drain rate."""
-        return self.queue.drain.retry_after_s(
+    def retry_after_s(self, nbytes: int) -> float:
+        """``Retry-After`` (seconds) for a request of ``nbytes`` refused now: the bytes queued
+        ahead of it plus its own, less what is free, over the measured drain rate."""
+        return self.queue.drain.wait_s(
             self.queue.queued_bytes + nbytes - self.budget.free_bytes,
             fallback_s=self.queue.max_queue_wait_s)
 
-    def backlog_retry_after_s(self, nbytes: int) -> int:
+    def backlog_retry_after_s(self, nbytes: int) -> float:
         """``Retry-After`` for a request of ``nbytes`` refused for want of *time* (it held a
         lease but waited ``max_queue_wait_s`` for the inference thread): every byte leased or
         queued now, plus its own, over the measured drain rate, i.e. how long the work already
@@ -141,7 +173,7 @@ class AdmissionController:
             self.budget.reserved_bytes + self.queue.queued_bytes + nbytes,
             fallback_s=self.queue.max_queue_wait_s)
 
-    def set_budget_bytes(self, budget_bytes: int, retry_after_s: int) -> None:
+    def set_budget_bytes(self, budget_bytes: int, retry_after_s: float) -> None:
         """Shrink or regrow the budget. Waiters too large for the new budget get 503 ``oom``
         with ``retry_after_s``; whoever now fits is admitted."""
         for waiter in self.queue.set_budget_bytes(budget_bytes):
@@ -152,6 +184,16 @@ class AdmissionController:
                     code=Reason.OOM.value, retry_after_s=retry_after_s,
                     queue_position=waiter.position))
 
+    def _moved(self) -> None:
+        """Waiters left the queue: tell every watched waiter that moved up its position."""
+        if not self._watchers:
+            return
+        for waiter_id, (position, eta_s) in self.queue.positions().items():
+            watched = self._watchers.get(waiter_id)
+            if watched is not None and watched[1][0] != position:
+                watched[1][0] = position
+                watched[0](position, eta_s)
+
     def _wake(self, waiter: Waiter) -> None:
         future = self._futures.get(waiter.waiter_id)
         if future is not None and not future.done():
@@ -161,8 +203,18 @@ class AdmissionController:
             waiter.lease.release()
 
 
-def _refusal(reason: Reason, nbytes: int, budget_bytes: int, retry_after_s: int | None,
-             queue_position: int) -> Exception:
+def _after(waited_s: float, predicted_wait_s: float | None) -> float | None:
+    return None if predicted_wait_s is None else waited_s + predicted_wait_s
+
+
+def _refusal(decision: Decision, budget_bytes: int, time_left_s: float) -> Exception:
+    reason, nbytes = decision.reason, decision.nbytes
+    retry_after_s, queue_position = decision.retry_after_s, decision.queue_position
+    if reason is Reason.PREDICTED_TIMEOUT:
+        return OverloadedError(
+            f"refused at once: the predicted wait of {decision.predicted_wait_s:.3g} s exceeds "
+            f"the {time_left_s:.3g} s this request may wait", code=reason.value,
+            retry_after_s=retry_after_s, queue_position=queue_position)
     if reason is Reason.REQUEST_TOO_LARGE:
         return RequestTooLargeError(
             f"the request needs an estimated {nbytes} bytes of device memory, more than the "

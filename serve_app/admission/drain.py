@@ -9,6 +9,10 @@ from collections.abc import Callable
 
 # Upper clamp of Retry-After, seconds: a stalled replica must not send clients away for hours.
 MAX_RETRY_AFTER_S = 60
+# Lower clamp of the precise wait (retry-after-ms): 1 ms, the header's resolution.
+MIN_WAIT_S = 0.001
+# Busy time below which the busy drain rate is not trusted (1 ms: a clock tick, not work).
+MIN_BUSY_S = 0.001
 
 
 class DrainRateEstimator:
@@ -30,6 +34,8 @@ class DrainRateEstimator:
         self._started_at = clock()
         self._events: deque[tuple[float, int]] = deque()
         self._bytes_in_window = 0
+        self._busy_since: float | None = None
+        self._busy: deque[tuple[float, float]] = deque()  # finished busy periods
 
     def record(self, nbytes: int) -> None:
         """Record that a lease of ``nbytes`` was released now."""
@@ -46,16 +52,77 @@ class DrainRateEstimator:
         span_s = min(self._window_s, max(now - self._started_at, 1e-3))
         return self._bytes_in_window / span_s
 
+    def set_busy(self, busy: bool) -> None:
+        """The replica started (``True``: its first lease) or stopped (``False``: its last
+        lease back) working now."""
+        now = self._clock()
+        if busy and self._busy_since is None:
+            self._busy_since = now
+        elif not busy and self._busy_since is not None:
+            self._busy.append((self._busy_since, now))
+            self._busy_since = None
+
+    def busy_s(self) -> float:
+        """Seconds of the window in which the replica held any lease."""
+        now = self._clock()
+        start = now - self._window_s
+        while self._busy and self._busy[0][1] < start:
+            self._busy.popleft()
+        spans = [*self._busy, *(((self._busy_since, now),) if self._busy_since is not None
+                                else ())]
+        return sum(max(0.0, end - max(begin, start)) for begin, end in spans)
+
+    def busy_bytes_per_s(self) -> float | None:
+        """Released bytes per second *of work* over the window: the bytes over the time the
+        replica held leases, so an idle spell before a burst does not read as a slow drain
+        (the plain windowed average would, and predictions made on it would refuse the
+        burst). The windowed average (:meth:`bytes_per_s`) while the busy time is under
+        ``MIN_BUSY_S`` (no busy time was reported)."""
+        rate = self.bytes_per_s()
+        busy_s = self.busy_s()
+        if rate is None or busy_s < MIN_BUSY_S:
+            return rate
+        return max(rate, self._bytes_in_window / busy_s)
+
+    def drain_s(self, bytes_needed: int) -> float | None:
+        """Seconds until ``bytes_needed`` more bytes should have drained at the busy rate
+        (:meth:`busy_bytes_per_s`), unclamped; ``None`` while no rate is measured (a
+        prediction needs a measurement)."""
+        rate = self.busy_bytes_per_s()
+        return None if not rate else max(bytes_needed, 0) / rate
+
     def retry_after_s(self, bytes_needed: int, fallback_s: float,
                       max_s: int = MAX_RETRY_AFTER_S) -> int:
         """:func:`retry_after_s` at this estimator's current rate."""
         return retry_after_s(bytes_needed, self.bytes_per_s(), fallback_s, max_s)
 
+    def wait_s(self, bytes_needed: int, fallback_s: float,
+               max_s: float = MAX_RETRY_AFTER_S) -> float:
+        """:func:`wait_s` at this estimator's current rate."""
+        return wait_s(bytes_needed, self.bytes_per_s(), fallback_s, max_s)
 
 
-def retry_after_s(bytes_needed: int, bytes_per_s: float | None, fallback_s: float,
-                  max_s: int = MAX_RETRY_AFTER_S) -> int:
-    """Whole seconds until ``bytes_needed`` more bytes should have drained, in ``[1, max_s]``.
+
+def predicted_wait_s(bytes_needed: int, bytes_per_s: float | None,
+                     thread_wait_s: float = 0.0) -> float | None:
+    """Seconds a request should wait before it starts: the longer of its wait for memory
+    (``bytes_needed``: the bytes queued ahead of it, plus its own, less what is free; over the
+    measured drain rate) and its wait for the inference thread (``thread_wait_s``, its
+    backlog of passes). The longer, not the sum: the thread works through its backlog while
+    the request waits for memory, so this leans short, and whoever refuses on it refuses
+    only what even the shorter wait cannot serve. ``None`` while no rate is measured and the
+    thread has no backlog: no prediction without a measurement."""
+    memory_s = None if not bytes_per_s else max(bytes_needed, 0) / bytes_per_s
+    if memory_s is None:
+        return thread_wait_s if thread_wait_s > 0 else None
+    return max(memory_s, thread_wait_s)
+
+
+def wait_s(bytes_needed: int, bytes_per_s: float | None, fallback_s: float,
+           max_s: float = MAX_RETRY_AFTER_S) -> float:
+    """Seconds until ``bytes_needed`` more bytes should have drained, in ``[0.001, max_s]``:
+    the precise wait behind ``retry-after-ms`` (:class:`serve_app.errors.OverloadedError`
+    rounds it up to whole seconds for ``Retry-After``).
 
     Args:
         bytes_needed: bytes that must be released before the request would be admitted.
@@ -65,4 +132,10 @@ def retry_after_s(bytes_needed: int, bytes_per_s: float | None, fallback_s: floa
         max_s: upper clamp, so a stalled replica does not send clients away for hours.
     """
     estimate_s = fallback_s if not bytes_per_s else max(bytes_needed, 0) / bytes_per_s
-    return max(1, math.ceil(min(float(max_s), estimate_s)))
+    return max(MIN_WAIT_S, min(float(max_s), estimate_s))
+
+
+def retry_after_s(bytes_needed: int, bytes_per_s: float | None, fallback_s: float,
+                  max_s: int = MAX_RETRY_AFTER_S) -> int:
+    """:func:`wait_s` in whole seconds, rounded up: in ``[1, max_s]`` (``Retry-After``)."""
+    return max(1, math.ceil(wait_s(bytes_needed, bytes_per_s, fallback_s, max_s)))

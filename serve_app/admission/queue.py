@@ -13,7 +13,10 @@ Semantics (README, "How admission works", step 4):
 * cancelled or expired waiters leave the queue at once, and whatever they were blocking is
   admitted in the same call;
 * ``queue_position`` is the number of waiters ahead at arrival, not a count that includes the
-  running requests.
+  running requests; :meth:`AdmissionQueue.positions` gives every waiter's position now;
+* refused at once by prediction (``predicted_timeout``): a request whose predicted wait
+  (:meth:`AdmissionQueue.predicted_wait_s`) exceeds the time it has left would only wait in
+  vain; while no drain rate is measured nothing is refused on a guess.
 """
 
 from __future__ import annotations
@@ -26,7 +29,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from serve_app.admission.budget import Lease, MemoryBudget
-from serve_app.admission.drain import DrainRateEstimator
+from serve_app.admission.drain import (
+    MAX_RETRY_AFTER_S,
+    MIN_WAIT_S,
+    DrainRateEstimator,
+    predicted_wait_s,
+)
 
 
 class Outcome(enum.StrEnum):
@@ -41,6 +49,7 @@ class Reason(enum.StrEnum):
     REQUEST_TOO_LARGE = "request_too_large"
     QUEUE_FULL = "queue_full"
     QUEUE_TIMEOUT = "queue_timeout"
+    PREDICTED_TIMEOUT = "predicted_timeout"  # its predicted wait exceeds the time it has
     OOM = "oom"  # fits the measured budget, not the budget shrunk after an OOM
 
 
@@ -53,6 +62,7 @@ class Waiter:
     enqueued_at: float
     deadline: float
     position: int
+    predicted_wait_s: float | None = None
     lease: Lease | None = None
     expired: bool = False
     evicted: bool = False
@@ -63,7 +73,8 @@ class Decision:
     """The answer to :meth:`AdmissionQueue.submit`.
 
     Exactly one of ``lease`` (admitted), ``waiter`` (queued) or ``reason`` (rejected) is set.
-    ``retry_after_s`` is set for retryable rejections (``queue_full``).
+    ``retry_after_s`` (seconds, with its fraction) is set for retryable rejections.
+    ``predicted_wait_s``: the wait predicted at arrival, ``None`` when none could be.
     """
 
     outcome: Outcome
@@ -71,8 +82,9 @@ class Decision:
     lease: Lease | None = None
     waiter: Waiter | None = None
     reason: Reason | None = None
-    retry_after_s: int | None = None
+    retry_after_s: float | None = None
     queue_position: int = 0
+    predicted_wait_s: float | None = None
 
 
 @dataclass
@@ -87,6 +99,10 @@ class AdmissionQueue:
         drain: completion-rate estimator behind ``Retry-After``.
         on_admit: called with each waiter the moment it is admitted (whatever call admitted
             it), so an async wrapper can wake it.
+        on_change: called whenever waiters leave the queue (admitted, withdrawn, expired or
+            evicted), i.e. whenever the positions of those behind them change.
+        thread_wait_s: seconds a request admitted now would wait for the inference thread
+            (its backlog of passes; see :meth:`predicted_wait_s`), ``0`` when unknown.
     """
 
     budget: MemoryBudget
@@ -95,6 +111,8 @@ class AdmissionQueue:
     clock: Callable[[], float] = time.monotonic
     drain: DrainRateEstimator | None = None
     on_admit: Callable[[Waiter], None] | None = None
+    on_change: Callable[[], None] | None = None
+    thread_wait_s: Callable[[], float] = lambda: 0.0
     _waiters: OrderedDict[int, Waiter] = field(default_factory=OrderedDict, init=False)
     _queued_bytes: int = field(default=0, init=False)
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1), init=False)
@@ -105,6 +123,7 @@ class AdmissionQueue:
             raise ValueError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
         if self.drain is None:
             self.drain = DrainRateEstimator(clock=self.clock)
+        self.budget.on_busy = self.drain.set_busy
 
     @property
     def queue_depth(self) -> int:
@@ -114,12 +133,16 @@ class AdmissionQueue:
     def queued_bytes(self) -> int:
         return self._queued_bytes
 
-    def submit(self, nbytes: int, waited_s: float = 0.0) -> Decision:
+    def submit(self, nbytes: int, waited_s: float = 0.0,
+               wait_limit_s: float | None = None) -> Decision:
         """Admit ``nbytes`` now, queue it, or refuse it. Never blocks.
 
         ``waited_s``: how long the request already waited before reaching this queue (in
-        Ray Serve's handle queue, say); a queued request's deadline is ``max_queue_wait_s``
-        after it *arrived there*, so its whole wait stays within the bound.
+        Ray Serve's handle queue, say). ``wait_limit_s``: the longest the client will wait
+        (``Prefer: wait``, its SDK's read timeout), if it said so. The request has
+        ``min(max_queue_wait_s, wait_limit_s) - waited_s`` left: a queued request's deadline
+        is that long after it arrived here, and one predicted to wait longer is refused now
+        (``predicted_timeout``).
 
         Raises:
             ValueError: ``nbytes`` is negative.
@@ -132,22 +155,58 @@ class AdmissionQueue:
             return Decision(Outcome.REJECTED, nbytes, reason=Reason.OOM,
                             retry_after_s=self._retry_after_s(nbytes))
         self.expire()
+        left_s = self.time_left_s(waited_s, wait_limit_s)
+        predicted_s = self.predicted_wait_s(nbytes)
+        if predicted_s is not None and predicted_s > left_s:
+            return Decision(Outcome.REJECTED, nbytes, reason=Reason.PREDICTED_TIMEOUT,
+                            retry_after_s=min(MAX_RETRY_AFTER_S,
+                                              max(MIN_WAIT_S, predicted_s - left_s)),
+                            queue_position=len(self._waiters), predicted_wait_s=predicted_s)
         if not self._waiters:
             lease = self.budget.try_reserve(nbytes)
             if lease is not None:
-                return Decision(Outcome.ADMITTED, nbytes, lease=lease)
+                return Decision(Outcome.ADMITTED, nbytes, lease=lease,
+                                predicted_wait_s=predicted_s)
         if len(self._waiters) >= self.max_queue_len:
             needed = self._queued_bytes + nbytes - self.budget.free_bytes
             return Decision(Outcome.REJECTED, nbytes, reason=Reason.QUEUE_FULL,
                             retry_after_s=self._retry_after_s(needed),
                             queue_position=len(self._waiters))
         now = self.clock()
-        waiter = Waiter(next(self._ids), nbytes, now,
-                        now + max(0.0, self.max_queue_wait_s - max(0.0, waited_s)),
-                        position=len(self._waiters))
+        waiter = Waiter(next(self._ids), nbytes, now, now + left_s,
+                        position=len(self._waiters), predicted_wait_s=predicted_s)
         self._waiters[waiter.waiter_id] = waiter
         self._queued_bytes += nbytes
-        return Decision(Outcome.QUEUED, nbytes, waiter=waiter, queue_position=waiter.position)
+        return Decision(Outcome.QUEUED, nbytes, waiter=waiter, queue_position=waiter.position,
+                        predicted_wait_s=predicted_s)
+
+    def time_left_s(self, waited_s: float = 0.0, wait_limit_s: float | None = None) -> float:
+        """Seconds a request that already waited ``waited_s`` may still wait: the smaller of
+        ``max_queue_wait_s`` and the client's ``wait_limit_s``, less ``waited_s`` (>= 0)."""
+        limit_s = self.max_queue_wait_s if wait_limit_s is None \
+            else min(self.max_queue_wait_s, wait_limit_s)
+        return max(0.0, limit_s - max(0.0, waited_s))
+
+    def predicted_wait_s(self, nbytes: int) -> float | None:
+        """Seconds a request of ``nbytes`` arriving now should wait before it starts
+        (:func:`serve_app.admission.drain.predicted_wait_s` of the bytes queued ahead of it
+        and the thread's backlog); ``None`` when nothing is measured yet. A request refused
+        on it gets as ``Retry-After`` how much shorter the wait must get (predicted - time
+        left)."""
+        return predicted_wait_s(self._queued_bytes + nbytes - self.budget.free_bytes,
+                                self.drain.busy_bytes_per_s(), self.thread_wait_s())
+
+    def positions(self) -> dict[int, tuple[int, float | None]]:
+        """Every waiter's position now (waiters ahead of it) and its predicted wait to be
+        admitted (bytes ahead of it and its own, less what is free, over the drain rate;
+        ``None`` while no rate is measured), by ``waiter_id``."""
+        ahead_bytes, positions = 0, {}
+        free_bytes = self.budget.free_bytes
+        for position, waiter in enumerate(self._waiters.values()):
+            ahead_bytes += waiter.nbytes
+            positions[waiter.waiter_id] = (position,
+                                           self.drain.drain_s(ahead_bytes - free_bytes))
+        return positions
 
     def release(self, lease: Lease) -> list[Waiter]:
         """Release ``lease`` (idempotent) and return the waiters admitted as a result."""
@@ -163,6 +222,7 @@ class AdmissionQueue:
         """
         if self._waiters.pop(waiter.waiter_id, None) is not None:
             self._queued_bytes -= waiter.nbytes
+            self._changed()
             return self.pump()
         if waiter.lease is not None:
             # Admitted but never used: the bytes did not run, so they say nothing about drain.
@@ -178,6 +238,7 @@ class AdmissionQueue:
             self._queued_bytes -= waiter.nbytes
             waiter.expired = True
         if gone:
+            self._changed()
             self.pump()
         return gone
 
@@ -191,10 +252,12 @@ class AdmissionQueue:
             del self._waiters[waiter.waiter_id]
             self._queued_bytes -= waiter.nbytes
             waiter.evicted = True
+        if evicted:
+            self._changed()
         self.pump()
         return evicted
 
-    def timeout_retry_after_s(self, waiter: Waiter) -> int:
+    def timeout_retry_after_s(self, waiter: Waiter) -> float:
         """``Retry-After`` for a waiter that timed out: the time for the whole queue (itself
         included) to drain. Not just the bytes ahead of it: waiters time out in arrival order,
         so the first to give up has nothing ahead, yet everyone behind it will retry too."""
@@ -215,7 +278,13 @@ class AdmissionQueue:
             admitted.append(head)
             if self.on_admit is not None:
                 self.on_admit(head)
+        if admitted:
+            self._changed()
         return admitted
 
-    def _retry_after_s(self, bytes_needed: int) -> int:
-        return self.drain.retry_after_s(bytes_needed, fallback_s=self.max_queue_wait_s)
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    def _retry_after_s(self, bytes_needed: int) -> float:
+        return self.drain.wait_s(bytes_needed, fallback_s=self.max_queue_wait_s)

@@ -60,6 +60,11 @@ class Ticket:
         """Every second waited so far: for the lease, then for a pass and the thread."""
         return self.admission.queue_wait_s + self.waited_s
 
+    @property
+    def released(self) -> bool:
+        """The lease went back: the device must not take this request up any more."""
+        return self._released
+
     def claim(self) -> None:
         """The device holds the lease from now until :meth:`device_done` (a pass took the
         request up). Idempotent."""

@@ -39,12 +39,16 @@ class DeployedApp:
 
 
 @pytest.fixture(scope="module")
-def deploy(serve_base_url: str) -> Iterator[Any]:
+def deploy(serve_base_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """``deploy(args)`` runs ``build_app(args)`` as this module's app at ``/``, and deletes it
-    when the module is done. One app at a time: each module deploys what it needs."""
+    when the module is done. One app at a time: each module deploys what it needs. Its durable
+    jobs live in this module's own directory (``jobs.data_dir``, unless the args set it), so no
+    job of another module or run is ever pulled."""
     deployed: list[str] = []
+    jobs_dir = str(tmp_path_factory.mktemp("jobs"))
 
     def _deploy(args: dict[str, Any], name: str = "vramgate") -> DeployedApp:
+        args = {**args, "jobs": {"data_dir": jobs_dir, **args.get("jobs", {})}}
         for old in deployed:
             serve.delete(old)
         deployed.clear()

@@ -129,6 +129,12 @@ class AdmissionMachine(RuleBasedStateMachine):
         reserved = self.budget.reserved_bytes
         while alive and self.fits_now(reserved, alive[0].nbytes):
             reserved += alive.pop(0).nbytes
+        rate = self.queue.drain.busy_bytes_per_s()
+        queued = sum(w.nbytes for w in alive)
+        free = max(0, self.budget.budget_bytes - reserved)
+        if rate and (queued + nbytes - free) / rate \
+                > self.queue.max_queue_wait_s:  # waits in vain: refused by prediction
+            return Outcome.REJECTED, Reason.PREDICTED_TIMEOUT, len(alive)
         if not alive and self.fits_now(reserved, nbytes):
             return Outcome.ADMITTED, None, 0
         if len(alive) >= self.queue.max_queue_len:
@@ -163,8 +169,8 @@ class AdmissionMachine(RuleBasedStateMachine):
             assert waiter.deadline == self.now_s + self.queue.max_queue_wait_s
             assert all(w.waiter_id < waiter.waiter_id for w in self.waiting)
             self.waiting.append(waiter)
-        elif decision.reason in (Reason.QUEUE_FULL, Reason.OOM):
-            assert 1 <= decision.retry_after_s <= 60
+        elif decision.reason in (Reason.QUEUE_FULL, Reason.OOM, Reason.PREDICTED_TIMEOUT):
+            assert 0.001 <= decision.retry_after_s <= 60
         else:
             assert decision.retry_after_s is None
 

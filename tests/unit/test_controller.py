@@ -316,8 +316,9 @@ def test_a_refusal_for_want_of_time_waits_for_the_admitted_backlog(make_controll
         clock.advance(2.0)
         controller.release(done.lease)  # 100 bytes drained over 2 s: 50 bytes/s
         held = [await controller.acquire(200) for _ in range(2)]  # admitted, not yet run
-        # Room in the budget (600 free): by bytes, a 100-byte request could go now...
-        assert controller.retry_after_s(100) == 1
+        # Room in the budget (600 free): by bytes, a 100-byte request could go now (the
+        # precise wait's floor, 1 ms; Retry-After rounds it up to 1 s)...
+        assert controller.retry_after_s(100) == 0.001
         # ...but if it waited out its bound for the thread, 400 + 100 bytes must drain first.
         assert controller.backlog_retry_after_s(100) == 10
         for admission in held:

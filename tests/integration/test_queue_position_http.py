@@ -1,0 +1,90 @@
+"""Waiting in the open (issue: "know your place while you wait, refuse early"): a streamed
+request that waits hears its position as SSE comments; a client whose read timeout cannot be
+met by the backlog is refused at once, with ``retry-after-ms``."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.support import MiB, fake_app_args
+
+
+@pytest.fixture(scope="module")
+def app(deploy):
+    # A completion of a ~5-token prompt and 20 new tokens is priced ~25 MiB and takes ~1.5 s
+    # (longer than a publish period, so /v1/status sees every queue depth): the 40 MiB budget
+    # runs one at a time; the others wait at the replica (not in Ray's handle queue:
+    # max_ongoing_requests 32).
+    return deploy(fake_app_args(
+        fake={"latency_per_token_s": 0.07, "bytes_per_token": MiB},
+        memory={"budget_bytes": 40 * MiB},
+        limits={"max_inputs": 1, "max_input_tokens": 16, "max_tokens": 20},
+        deployment={"max_ongoing_requests": 32},
+        batching={"continuous": False, "enabled": False}))
+
+
+BODY = {"model": "fake", "prompt": "one two three", "max_tokens": 20}
+
+
+async def _queue_depth(http: httpx.AsyncClient, depth: int) -> None:
+    deadline = time.monotonic() + 10
+    while (await http.get("/v1/status")).json()["replicas"][0]["queue_depth"] < depth:
+        assert time.monotonic() < deadline, "the requests never queued"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_stream_queued_behind_three_hears_3_2_1_before_its_first_token(app):
+    async with httpx.AsyncClient(base_url=app.base_url, timeout=60) as http:
+        assert (await http.post("/v1/completions", json=BODY)).status_code == 200  # warm
+        ahead = [asyncio.ensure_future(http.post("/v1/completions", json=BODY))
+                 for _ in range(4)]  # one runs, three wait
+        await _queue_depth(http, 3)
+        positions, first_token_at = [], None
+        async with http.stream("POST", "/v1/completions",
+                               json={**BODY, "stream": True}) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if match := re.fullmatch(r": queued position=(\d+)( eta_ms=\d+)?", line):
+                    assert first_token_at is None
+                    positions.append(int(match.group(1)))
+                elif line.startswith("data: {") and first_token_at is None:
+                    first_token_at = len(positions)
+        assert [r.status_code for r in await asyncio.gather(*ahead)] == [200] * 4
+    print(f"\npositions heard: {positions}")
+    distinct = [p for i, p in enumerate(positions) if i == 0 or p != positions[i - 1]]
+    assert distinct[:3] == [3, 2, 1], positions
+    assert first_token_at == len(positions)
+    app.check_invariants()
+
+
+async def test_an_openai_client_with_timeout_2_is_refused_at_once_by_a_long_backlog(app):
+    async with httpx.AsyncClient(base_url=app.base_url, timeout=60) as http:
+        assert (await http.post("/v1/completions", json=BODY)).status_code == 200  # a rate
+        backlog = [asyncio.ensure_future(http.post("/v1/completions", json=BODY))
+                   for _ in range(5)]  # ~1.5 s each, one at a time: ~7 s of work
+        await _queue_depth(http, 3)
+        client = openai.AsyncOpenAI(base_url=f"{app.base_url}/v1", api_key="unused",
+                                    timeout=2, max_retries=0)
+        started = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as refused:
+            await client.completions.create(model="fake", prompt="hi", max_tokens=20)
+        elapsed_s = time.monotonic() - started
+        statuses = [r.status_code for r in await asyncio.gather(*backlog)]
+    response = refused.value.response
+    print(f"\nrefused in {elapsed_s * 1000:.0f} ms: {response.json()['error']['message']}; "
+          f"retry-after-ms {response.headers['retry-after-ms']}")
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "predicted_timeout"
+    assert elapsed_s < 1.0
+    assert int(response.headers["retry-after-ms"]) >= 1
+    assert int(response.headers["retry-after"]) == -(-int(response.headers["retry-after-ms"])
+                                                     // 1000) or \
+        int(response.headers["retry-after"]) == 1
+    assert statuses == [200] * 5
+    app.check_invariants()
