@@ -165,6 +165,7 @@ class InferenceThread:
         predicted_s = ticket.admission.predicted_wait_s
         if predicted_s is not None:
             error_s = ticket.queue_wait_s - predicted_s
+            self._gate.queue.calibration.record(error_s)
             self._metrics.observe("queue_wait_prediction_error_seconds", abs(error_s),
                                   side="longer" if error_s > 0 else "shorter")
         self._log.event("admitted", ticket.lease.nbytes, ticket.admission.request_id,

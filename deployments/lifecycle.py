@@ -165,6 +165,7 @@ class RequestLifecycle:
         moves: asyncio.Queue[tuple[int, float | None]] = asyncio.Queue()
         admit = asyncio.ensure_future(self._admit(
             request, on_queued=lambda position, eta_s: moves.put_nowait((position, eta_s))))
+        move: asyncio.Future | None = None
         try:
             last: tuple[int, float | None, float] | None = None
             while not admit.done():
@@ -178,6 +179,8 @@ class RequestLifecycle:
                 if last is not None and (move in done or not done):
                     yield {"queued": _queued_item(*last)}
         except BaseException:
+            if move is not None:
+                move.cancel()
             admit.cancel()
             if admit.done() and not admit.cancelled() and admit.exception() is None:
                 self._gate.release(admit.result().lease, ran=False)

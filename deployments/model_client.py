@@ -15,6 +15,7 @@ from ray.serve.handle import DeploymentHandle
 from deployments.http_errors import as_serve_app_error
 from deployments.ray_compat import replica_assigned
 from deployments.replica_view import ReplicaView
+from serve_app.admission.calibration import WaitCalibration
 from serve_app.admission.drain import MAX_RETRY_AFTER_S
 from serve_app.errors import OverloadedError, ServeAppError
 from serve_app.metrics import ProcessMetrics
@@ -36,6 +37,13 @@ class ModelClient:
                  metrics: ProcessMetrics) -> None:
         self._model, self._replicas = model, replicas
         self._max_queue_wait_s, self._metrics = max_queue_wait_s, metrics
+        # Units of this ingress's requests sent but not yet taken by a replica (waiting in
+        # Ray Serve's handle queue): ahead of every new request, and invisible in the
+        # replicas' published queues.
+        self._unassigned_units, self._unassigned = 0, 0
+        # Recent waits for a replica to take a request (a slot under max_ongoing_requests):
+        # their median is the wait for a slot predicted while the handle queue is not empty.
+        self._assign_waits = WaitCalibration(window=100, quantile=0.5)
 
     async def infer(self, request: InferenceRequest) -> InferenceResult:
         """Run ``request`` on a replica (``ModelServer.infer``).
@@ -77,11 +85,15 @@ class ModelClient:
 
         Raises:
             OverloadedError: ``predicted_timeout``: every replica's published figures predict
-                a wait longer than the request may wait (:meth:`ReplicaView.predicted_wait_s`),
-                refused before it joins Ray Serve's queue.
+                a wait longer than the request may wait (:meth:`ReplicaView.predicted_wait_s`,
+                with this ingress's requests still waiting for a replica ahead of it, and,
+                while there are such, the median of the recent waits for a replica to take a
+                request), refused before it joins Ray Serve's queue.
         """
         units = await self._replicas.estimate(request.shape)
-        predicted_s = await self._replicas.predicted_wait_s(units)
+        predicted_s = await self._replicas.predicted_wait_s(units, self._unassigned_units)
+        if predicted_s is not None and self._unassigned:
+            predicted_s += self._assign_waits.margin_s()
         left_s = request.wait_bound_s(self._max_queue_wait_s)
         if predicted_s is not None and predicted_s > left_s:
             self._metrics.inc("admission_decisions", outcome="rejected",
@@ -111,6 +123,9 @@ class ModelClient:
         if awaitable is None:
             return
         assigned = asyncio.ensure_future(awaitable)
+        units, sent_at = request.estimated_bytes or 0, time.monotonic()
+        self._unassigned_units += units
+        self._unassigned += 1
         try:
             done, _ = await asyncio.wait(
                 {assigned}, timeout=request.wait_bound_s(self._max_queue_wait_s))
@@ -118,6 +133,10 @@ class ModelClient:
             assigned.cancel()
             response.cancel()
             raise
+        finally:
+            self._unassigned_units -= units
+            self._unassigned -= 1
+            self._assign_waits.record(time.monotonic() - sent_at)
         if done:
             if not assigned.cancelled():
                 assigned.exception()  # retrieved here; awaiting the response raises it again

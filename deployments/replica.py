@@ -104,7 +104,7 @@ class Replica:
             budget.budget_bytes, budget.reserved_bytes, budget.peak_reserved_bytes,
             budget.free_bytes, budget.active_leases, queue.queue_depth, queue.queued_bytes,
             budget.charged_bytes_total, budget.released_bytes_total, queue.drain.bytes_per_s(),
-            self._thread_wait_s(), queue.drain.busy_bytes_per_s())
+            self._thread_wait_s(), queue.drain.busy_bytes_per_s(), queue.calibration.margin_s())
         identity, args = self.identity, self.args
         return ReplicaState(
             identity.replica_id, identity.node_id, identity.gpu_ids,

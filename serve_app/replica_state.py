@@ -55,6 +55,8 @@ class GateFigures:
             (its backlog of passes), for predicted waits.
         busy_drain_bytes_per_s: the drain rate while the replica works (idle time left
             out), for predicted waits (``None`` before any lease ran).
+        wait_margin_s: seconds added to predicted waits before refusing on them (the recent
+            errors' quantile, :mod:`serve_app.admission.calibration`).
     """
 
     capacity: int
@@ -69,6 +71,7 @@ class GateFigures:
     drain_bytes_per_s: float | None
     thread_wait_s: float = 0.0
     busy_drain_bytes_per_s: float | None = None
+    wait_margin_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,7 @@ class ReplicaState:
             "drain_bytes_per_s": gate.drain_bytes_per_s,
             "thread_wait_s": round(gate.thread_wait_s, 4),
             "busy_drain_bytes_per_s": gate.busy_drain_bytes_per_s,
+            "wait_margin_s": round(gate.wait_margin_s, 4),
             "budget_bytes": self.budget_bytes,
             "measured_budget_bytes": self.measured_budget_bytes,
             "budget_shrink_count": self.budget_shrink_count,

@@ -98,7 +98,7 @@ class GenerationRoute(Route):
         if request.headers.get("idempotency-key") is not None:
             raise InvalidRequestError("Idempotency-Key is not supported with stream: true",
                                       code="idempotency_key")
-        if prefers_async(request.headers):
+        if prefers_async(request.headers) and self.context.jobs is not None:
             raise InvalidRequestError("Prefer: respond-async is not supported with "
                                       "stream: true (a job's result is fetched whole)",
                                       code="stream")

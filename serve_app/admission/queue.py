@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from serve_app.admission.budget import Lease, MemoryBudget
+from serve_app.admission.calibration import WaitCalibration
 from serve_app.admission.drain import (
     MAX_RETRY_AFTER_S,
     MIN_WAIT_S,
@@ -113,6 +114,7 @@ class AdmissionQueue:
     on_admit: Callable[[Waiter], None] | None = None
     on_change: Callable[[], None] | None = None
     thread_wait_s: Callable[[], float] = lambda: 0.0
+    calibration: WaitCalibration = field(default_factory=WaitCalibration)
     _waiters: OrderedDict[int, Waiter] = field(default_factory=OrderedDict, init=False)
     _queued_bytes: int = field(default=0, init=False)
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1), init=False)
@@ -157,10 +159,11 @@ class AdmissionQueue:
         self.expire()
         left_s = self.time_left_s(waited_s, wait_limit_s)
         predicted_s = self.predicted_wait_s(nbytes)
-        if predicted_s is not None and predicted_s > left_s:
+        over_s = None if predicted_s is None \
+            else predicted_s + self.calibration.margin_s() - left_s
+        if over_s is not None and over_s > 0:
             return Decision(Outcome.REJECTED, nbytes, reason=Reason.PREDICTED_TIMEOUT,
-                            retry_after_s=min(MAX_RETRY_AFTER_S,
-                                              max(MIN_WAIT_S, predicted_s - left_s)),
+                            retry_after_s=min(MAX_RETRY_AFTER_S, max(MIN_WAIT_S, over_s)),
                             queue_position=len(self._waiters), predicted_wait_s=predicted_s)
         if not self._waiters:
             lease = self.budget.try_reserve(nbytes)
@@ -190,9 +193,10 @@ class AdmissionQueue:
     def predicted_wait_s(self, nbytes: int) -> float | None:
         """Seconds a request of ``nbytes`` arriving now should wait before it starts
         (:func:`serve_app.admission.drain.predicted_wait_s` of the bytes queued ahead of it
-        and the thread's backlog); ``None`` when nothing is measured yet. A request refused
-        on it gets as ``Retry-After`` how much shorter the wait must get (predicted - time
-        left)."""
+        and the thread's backlog); ``None`` when nothing is measured yet. A request is refused
+        when this plus the margin of recent errors (``calibration``,
+        :mod:`serve_app.admission.calibration`) exceeds the time it has; its ``Retry-After``
+        is how much shorter the wait must get."""
         return predicted_wait_s(self._queued_bytes + nbytes - self.budget.free_bytes,
                                 self.drain.busy_bytes_per_s(), self.thread_wait_s())
 

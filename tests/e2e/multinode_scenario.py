@@ -8,7 +8,10 @@ each declaring one GPU; four model replicas of ``num_gpus: 0.5`` on the fake eng
 2. under load, one worker node is killed: every request gets 200, 503 or 504 (none hangs:
    the client timeout is far above ``max_queue_wait_s + inference_timeout_s``), and the
    surviving replicas keep serving;
-3. a worker node with one GPU joins again: the deployment is back to four replicas.
+3. a worker node with one GPU joins again: the deployment is back to four replicas;
+4. durable jobs submitted just before the kill (their Redis a real redis-server outside Ray,
+   as ``jobs.redis_url`` on a cluster) all succeed: those running on the killed node's
+   replicas are queued again once their heartbeats lapse, and run elsewhere.
 
 Prints one JSON object on its last stdout line.
 """
@@ -18,8 +21,10 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import tempfile
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,13 +33,15 @@ from ray import serve
 from ray.cluster_utils import Cluster
 
 from serve_app.app import build_app
+from serve_app.jobs.embedded import EmbeddedRedis
 from tests.support import MiB, fake_app_args, free_port, wait_until_ready
 
 CLIENT_TIMEOUT_S = 60.0
 
 
-def _args() -> dict[str, Any]:
+def _args(redis_url: str) -> dict[str, Any]:
     return fake_app_args(
+        jobs={"redis_url": redis_url, "heartbeat_ttl_s": 3.0},
         fake={"latency_per_token_s": 0.005, "bytes_per_token": MiB},
         memory={"budget_bytes": 64 * MiB},
         limits={"max_inputs": 1, "max_input_tokens": 32, "max_tokens": 4},
@@ -127,6 +134,24 @@ def _worker_to_kill(workers: list[Any]) -> Any:
     return min(workers, key=cost)
 
 
+def _submit_jobs(base_url: str, count: int) -> list[str]:
+    body = {"input": " ".join(["w"] * 30)}
+    return [httpx.post(f"{base_url}/v1/embeddings", json={**body, "user": str(i)},
+                       headers={"Prefer": "respond-async"}, timeout=30).json()["id"]
+            for i in range(count)]
+
+
+def _jobs_outcome(base_url: str, ids: list[str], timeout_s: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        jobs = [httpx.get(f"{base_url}/v1/jobs/{job_id}", timeout=10).json() for job_id in ids]
+        if all(j["status"] in ("succeeded", "failed", "cancelled") or time.monotonic() > deadline
+               for j in jobs):
+            return {"statuses": dict(Counter(j["status"] for j in jobs)),
+                    "attempts": dict(Counter(str(j["attempts"]) for j in jobs))}
+        time.sleep(0.5)
+
+
 def main() -> dict[str, Any]:
     cluster = Cluster(initialize_head=True,
                       head_node_args={"num_cpus": 2, "num_gpus": 0,
@@ -139,8 +164,10 @@ def main() -> dict[str, Any]:
     serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "HeadOnly"})
     base_url = f"http://127.0.0.1:{port}"
     result: dict[str, Any] = {}
+    redis = EmbeddedRedis(Path(tempfile.mkdtemp(prefix="vg-jobs-")), durable=False).start()
     try:
-        serve.run(build_app(_args()), name="vramgate", route_prefix="/", blocking=False)
+        serve.run(build_app(_args(redis.url)), name="vramgate", route_prefix="/",
+                  blocking=False)
         wait_until_ready(base_url, timeout_s=240)
         replicas = _wait_for_replicas(base_url, 4, 120)
         worker_ids = {w.node_id for w in workers}
@@ -154,6 +181,7 @@ def main() -> dict[str, Any]:
         result["killed_hosted"] = sorted(_serve_actors_by_node().get(killed.node_id, []))
         started = time.monotonic()
         result["kill_errors"] = []
+        job_ids = _submit_jobs(base_url, 40)
         result["kill"] = dict(asyncio.run(_phase(
             base_url, 8.0, during=lambda: cluster.remove_node(killed, allow_graceful=False),
             errors=result["kill_errors"])))
@@ -165,10 +193,12 @@ def main() -> dict[str, Any]:
         result["restored_s"] = round(time.monotonic() - started, 1)
         result["restored_nodes"] = len({r["node_id"] for r in back})
         result["after_restore"] = dict(asyncio.run(_phase(base_url, 3.0)))
+        result["jobs"] = _jobs_outcome(base_url, job_ids, 120)
     finally:
         serve.shutdown()
         ray.shutdown()
         cluster.shutdown()
+        redis.stop()
     return result
 
 

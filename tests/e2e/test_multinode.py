@@ -33,3 +33,5 @@ def test_four_half_gpu_replicas_survive_losing_a_node() -> None:
         assert result[phase].get("200", 0) > 0, (phase, result[phase])
     assert set(result["survivor_nodes"]) == workers - {result["killed"]}
     assert result["restored_nodes"] == 2
+    # Durable jobs submitted just before the kill: none lost, none failed.
+    assert result["jobs"]["statuses"] == {"succeeded": 40}, result["jobs"]

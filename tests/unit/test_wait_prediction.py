@@ -9,6 +9,7 @@ import pickle
 import pytest
 
 from deployments.http_errors import error_response
+from serve_app.admission.calibration import MIN_ERRORS, WaitCalibration
 from serve_app.admission.drain import predicted_wait_s
 from serve_app.admission.queue import Outcome, Reason
 from serve_app.client_wait import client_wait_limit_s, prefers_async
@@ -160,4 +161,33 @@ def test_an_idle_spell_does_not_read_as_a_slow_drain(make_queue, clock) -> None:
     waiter = queued(queue, 100)
     assert waiter.predicted_wait_s == pytest.approx(2.0)  # 100 B at 50 B/s, not 18 s
     queue.cancel(waiter)
+    queue.release(held.lease)
+
+
+def test_the_margin_is_the_recent_errors_quantile() -> None:
+    calibration = WaitCalibration(window=100, quantile=0.9)
+    for error_s in range(MIN_ERRORS - 1):
+        calibration.record(float(error_s))
+    assert calibration.margin_s() == 0.0  # too few errors to trust
+    calibration = WaitCalibration(window=100, quantile=0.9)
+    for error_s in range(-50, 50):  # -50 .. 49 s
+        calibration.record(float(error_s))
+    assert calibration.margin_s() == 39.0  # the 90th of 100 (nearest rank)
+    for _ in range(100):
+        calibration.record(-1.0)  # predictions too long: never a negative margin
+    assert calibration.margin_s() == 0.0
+
+
+def test_requests_are_refused_on_the_prediction_plus_the_margin(make_queue, clock) -> None:
+    queue = make_queue(budget_bytes=100, max_queue_wait_s=10.0)
+    _drain_at_20_bytes_per_s(queue, clock)
+    held = admitted(queue, 100)
+    for _ in range(MIN_ERRORS):
+        queue.calibration.record(3.0)  # admitted requests waited 3 s longer than predicted
+    first = queued(queue, 100)  # predicted 5 s + 3 s margin: within 10 s
+    refused = queue.submit(60)  # predicted 8 s + 3 s > 10 s
+    assert (refused.reason, refused.predicted_wait_s) == (Reason.PREDICTED_TIMEOUT,
+                                                          pytest.approx(8.0))
+    assert refused.retry_after_s == pytest.approx(1.0)
+    queue.cancel(first)
     queue.release(held.lease)
