@@ -140,10 +140,19 @@ def stream_problem(body: bytes | str | None) -> str | None:
     return None if finished else "no_finish_reason"
 
 
+REFUSAL_CODES = frozenset({"queue_full", "queue_timeout", "predicted_timeout", "no_replicas",
+                           "draining"})
+"""503 codes: a stream that waited in the open (its 200 started with position comments) and
+was then refused carries one in-band, with ``retry_after_ms``."""
+
+
 def stream_outcome(problem: str | None) -> Outcome:
-    """The outcome of a 200 whose stream had ``problem`` (:func:`stream_problem`)."""
+    """The outcome of a 200 whose stream had ``problem`` (:func:`stream_problem`): a refusal
+    in-band (a queued stream not admitted in time) is refused, as its 503 would be."""
     if problem is None:
         return Outcome.OK
+    if problem in REFUSAL_CODES:
+        return Outcome.REFUSED
     return Outcome.OOM if problem == "oom" else Outcome.SERVER_ERROR
 
 

@@ -17,7 +17,7 @@ from deployments.http_errors import as_serve_app_error
 from deployments.openapi import INFERENCE_ERRORS, INFERENCE_PARAMETERS, responses
 from deployments.routes.base import Prepared, Route, request_id_of
 from serve_app.client_wait import client_wait_limit_s, prefers_async
-from serve_app.errors import InvalidRequestError
+from serve_app.errors import InvalidRequestError, ServeAppError
 from serve_app.request import GenerationOutput, GenerationParams, InferenceRequest
 from serve_app.schemas import GenerationFields
 
@@ -147,7 +147,7 @@ class GenerationRoute(Route):
                         yield _sse(reply.usage_event(item["prompt_tokens"],
                                                      item["completion_tokens"]))
             except Exception as exc:  # after the first byte: in-band, never a broken stream
-                yield _sse(as_serve_app_error(exc).to_body())
+                yield _sse(_in_band(as_serve_app_error(exc)))
             finally:
                 await rest.aclose()
             yield "data: [DONE]\n\n"
@@ -160,6 +160,16 @@ class GenerationRoute(Route):
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def _in_band(err: ServeAppError) -> dict[str, Any]:
+    """The error event of a stream already started: the error body, and for a refusal (a
+    queued stream that was not admitted in time) its wait, ``retry_after_ms``, since the
+    headers that would carry it are gone."""
+    body = err.to_body()
+    if err.retry_after_ms is not None:
+        body["error"]["retry_after_ms"] = err.retry_after_ms
+    return body
 
 
 def _queued_comment(queued: dict[str, Any]) -> str:
