@@ -48,6 +48,10 @@ OOM_EVENT = {"error": {"message": "out of memory", "type": "overloaded", "code":
     (_events(_chunk("alpha"), {"error": {"message": "m"}}, "[DONE]"), "error",
      Outcome.SERVER_ERROR),
     (_events(_chunk("alpha"), OOM_EVENT), "oom", Outcome.OOM),  # and cut short
+    # a queued stream (position comments, then the role) not admitted in time: refused
+    (b": queued position=2 eta_ms=900\n\n" + _events(
+        {"error": {"message": "m", "type": "overloaded", "code": "queue_timeout",
+                   "retry_after_ms": 1500}}, "[DONE]"), "queue_timeout", Outcome.REFUSED),
     (_events(_chunk("alpha"), _chunk(" bravo", "length")), "no_done", Outcome.SERVER_ERROR),
     (_events(_chunk("alpha")) + b"data: {\"choi", "no_done", Outcome.SERVER_ERROR),
     (_events(_chunk("alpha"), "[DONE]"), "no_finish_reason", Outcome.SERVER_ERROR),
@@ -58,7 +62,7 @@ def test_a_stream_is_ok_only_when_complete_without_an_error_event(
         body: bytes | None, problem: str | None, outcome: Outcome) -> None:
     assert stream_problem(body) == problem
     assert stream_outcome(problem) is outcome
-    assert outcome.is_failure is (problem is not None)
+    assert outcome.is_failure is (problem is not None and outcome is not Outcome.REFUSED)
 
 
 def test_sse_data_reads_events_as_the_standard_says() -> None:
@@ -81,6 +85,17 @@ def test_the_chat_route_s_streams_read_as_complete() -> None:
     assert stream_problem(whole.encode()) is None
     cut = "".join(_sse(e) for e in events[:2]) + _sse(OOM_EVENT) + "data: [DONE]\n\n"
     assert stream_problem(cut) == "oom"
+
+
+def test_a_queued_stream_refused_in_band_carries_its_wait() -> None:
+    from deployments.routes.generation import _in_band, _queued_comment
+    from serve_app.errors import OverloadedError
+
+    body = _in_band(OverloadedError("late", code="queue_timeout", retry_after_s=1.25))
+    assert body["error"]["code"] == "queue_timeout" and body["error"]["retry_after_ms"] == 1250
+    assert _queued_comment({"position": 3, "eta_ms": 420}) == ": queued position=3 eta_ms=420\n\n"
+    assert _queued_comment({"position": 0, "eta_ms": None}) == ": queued position=0\n\n"
+    assert sse_data(_queued_comment({"position": 1, "eta_ms": 5})) == []  # ignored by clients
 
 
 # --- bodies, mixes, prices -----------------------------------------------------------------
