@@ -59,6 +59,7 @@ from serve_app.replica_state import (
     AUTOSCALING_JOBS_QUEUED_KEY,
     AUTOSCALING_QUEUE_DEPTH_KEY,
     AUTOSCALING_QUEUED_BYTES_KEY,
+    AUTOSCALING_REFUSED_KEY,
     AUTOSCALING_RESERVED_BYTES_KEY,
     AUTOSCALING_RUNNING_REQUESTS_KEY,
 )
@@ -95,7 +96,8 @@ def snapshot_from_context(ctx: AutoscalingContext) -> AutoscalingSnapshot:
                               reserved_bytes=value(AUTOSCALING_RESERVED_BYTES_KEY, r),
                               budget_bytes=value(AUTOSCALING_BUDGET_BYTES_KEY, r),
                               running_requests=value(AUTOSCALING_RUNNING_REQUESTS_KEY, r),
-                              jobs_queued=value(AUTOSCALING_JOBS_QUEUED_KEY, r))
+                              jobs_queued=value(AUTOSCALING_JOBS_QUEUED_KEY, r),
+                              refused_by_prediction=value(AUTOSCALING_REFUSED_KEY, r))
                   for r in budgets if not running or r in running)
     queued_at_handles = ctx.total_queued_requests
     now = ctx.current_time

@@ -73,7 +73,10 @@ class Ingress:
                                        self._replica_id)
         adm = args.admission
         self._replicas = ReplicaView(registry, policy_class(adm.policy), adm.max_queue_wait_s)
-        self._client = ModelClient(model, self._replicas, adm.max_queue_wait_s, self._metrics)
+        self._client = ModelClient(model, self._replicas, adm.max_queue_wait_s, self._metrics,
+                                   args.deployment.max_replicas
+                                   if args.deployment.autoscaling else None,
+                                   adm.refuse_predicted_waits)
         self._engine = engine_class(args)
         front_end = await asyncio.to_thread(self._engine.front_end, args)
         guard = IdempotencyGuard(idempotency, self._client,

@@ -52,7 +52,7 @@ class JobsFront:
     def install(self, app: FastAPI) -> None:
         """Add ``/v1/jobs`` routes to ``app``."""
         app.post("/v1/jobs", status_code=202, response_model=None,
-                 responses=responses(JobResponse, 400, 401, 404, 422, 503, ok_status=202)
+                 responses=responses(JobResponse, 400, 401, 404, 413, 422, 503, ok_status=202)
                  )(self.create)
         app.get("/v1/jobs/{job_id}", response_model=None,
                 responses=responses(JobResponse, 401, 404))(self.show)

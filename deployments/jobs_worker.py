@@ -34,6 +34,9 @@ from serve_app.pricing import shape_bytes
 
 logger = logging.getLogger("ray.serve")
 
+MAX_RETRY_PAUSE_S = 10.0
+"""Longest pause between two tries while the job store fails."""
+
 
 class JobWorker:
     """Pulls and runs jobs for one replica (see module docstring).
@@ -56,17 +59,28 @@ class JobWorker:
         self._beat_at = -float("inf")
 
     async def run_forever(self) -> None:
-        """Pull and start jobs until cancelled; a failure of Redis is logged and retried."""
+        """Pull and start jobs until cancelled. While Redis fails (restarting, or gone
+        before this replica at shutdown) it retries with a doubling pause up to
+        ``MAX_RETRY_PAUSE_S``, logging the first failure with its traceback and then one line
+        per pause."""
+        pause_s = self._config.poll_interval_s
         while True:
             try:
                 await self._beat()
-                if await self._start_next():
+                started = await self._start_next()
+                pause_s = self._config.poll_interval_s
+                if started:
                     continue
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                logger.exception("job worker: pulling failed; retrying")
-            await asyncio.sleep(self._config.poll_interval_s)
+            except Exception as exc:
+                if pause_s == self._config.poll_interval_s:
+                    logger.exception("job worker: the job store failed; retrying")
+                else:
+                    logger.warning("job worker: the job store still fails (%s); next try in "
+                                   "%.1f s", exc, pause_s)
+                pause_s = min(MAX_RETRY_PAUSE_S, pause_s * 2)
+            await asyncio.sleep(pause_s)
 
     async def _beat(self) -> None:
         """Every third of ``heartbeat_ttl_s``: the heartbeat, orphans of gone replicas back

@@ -31,10 +31,17 @@ class ModelClient:
         replicas: the ingress's view of the replicas (prices, ``Retry-After``).
         max_queue_wait_s: ``admission.max_queue_wait_s``, the longest wait for a replica.
         metrics: the ingress's metrics (refusals decided here).
+        max_replicas: with autoscaling, the most model replicas (``None``: a fixed count).
+            While fewer run, the ingress refuses nothing by prediction: the replicas do, and
+            count it for the autoscaler, which the ingress's refusals would hide from.
+        refuse_predicted: ``admission.refuse_predicted_waits`` (off: only requests with a
+            client wait limit are refused by prediction).
     """
 
     def __init__(self, model: DeploymentHandle, replicas: ReplicaView, max_queue_wait_s: float,
-                 metrics: ProcessMetrics) -> None:
+                 metrics: ProcessMetrics, max_replicas: int | None = None,
+                 refuse_predicted: bool = True) -> None:
+        self._max_replicas, self._refuse_predicted = max_replicas, refuse_predicted
         self._model, self._replicas = model, replicas
         self._max_queue_wait_s, self._metrics = max_queue_wait_s, metrics
         # Units of this ingress's requests sent but not yet taken by a replica (waiting in
@@ -91,6 +98,10 @@ class ModelClient:
                 request), refused before it joins Ray Serve's queue.
         """
         units = await self._replicas.estimate(request.shape)
+        if not (self._refuse_predicted or request.wait_limit_s is not None) or (
+                self._max_replicas is not None
+                and len(await self._replicas.states()) < self._max_replicas):
+            return request.sent(units, time.time())  # the replicas refuse, and scale
         predicted_s = await self._replicas.predicted_wait_s(units, self._unassigned_units)
         if predicted_s is not None and self._unassigned:
             predicted_s += self._assign_waits.margin_s()

@@ -100,20 +100,29 @@ class ModelServer:
             request_id=lambda: serve.context._get_serve_request_context().request_id)
         self._publisher = loop.create_task(publish_forever(
             registry, replica_id, metrics, self._refresh)) if registry else None
-        self._jobs = await self._job_worker(args, jobs, replica_id) \
+        # In the background: the replica serves (and scales) without waiting for Redis.
+        self._jobs: JobWorker | None = None
+        self._puller = loop.create_task(self._pull_jobs(args, jobs, replica_id)) \
             if args.jobs.enabled else None
-        self._puller = loop.create_task(self._jobs.run_forever()) if self._jobs else None
         logger.info("model replica ready: %s", identity.memory)
 
-    async def _job_worker(self, args: AppArgs, broker: DeploymentHandle | None,
-                          replica_id: str) -> JobWorker:
-        """The replica's job puller, with the routes built on its own request factory."""
-        front_end = await asyncio.to_thread(engine_class(args).front_end, args)
-        context = RouteContext(args, RequestFactory(args, front_end), client=None, guard=None)
-        routes = {route.path: route(context) for route in ROUTES
-                  if route.kind in self._replica.engine.kinds}
-        return JobWorker(await open_job_store(args, broker), self._replica, routes,
-                         replica_id, args.jobs)
+    async def _pull_jobs(self, args: AppArgs, broker: DeploymentHandle | None,
+                         replica_id: str) -> None:
+        """Connect to the job store, then pull jobs (:class:`JobWorker`) until cancelled,
+        with the routes built on the replica's own request factory."""
+        try:
+            front_end = await asyncio.to_thread(engine_class(args).front_end, args)
+            context = RouteContext(args, RequestFactory(args, front_end), client=None,
+                                   guard=None)
+            routes = {route.path: route(context) for route in ROUTES
+                      if route.kind in self._replica.engine.kinds}
+            self._jobs = JobWorker(await open_job_store(args, broker), self._replica, routes,
+                                   replica_id, args.jobs)
+        except Exception:
+            logger.exception("durable jobs: this replica cannot reach the job store; it "
+                             "serves requests but pulls no jobs")
+            return
+        await self._jobs.run_forever()
 
     async def infer(self, request: InferenceRequest) -> InferenceResult:
         """Run one validated request (:meth:`RequestLifecycle.infer`)."""
@@ -165,6 +174,7 @@ class ModelServer:
             self._publisher.cancel()
         if getattr(self, "_puller", None) is not None:
             self._puller.cancel()
+        if getattr(self, "_jobs", None) is not None:
             self._jobs.close()
         if getattr(self, "_replica", None) is not None:
             self._replica.close()

@@ -74,7 +74,8 @@ class Replica:
         self.cost_model = CorrectedCostModel(cost_model)
         self.policy = make_policy(adm, budget_bytes)
         self.gate = AdmissionController(self.policy.capacity_units, adm.max_queue_len,
-                                        adm.max_queue_wait_s, thread_wait_s=self._thread_wait_s)
+                                        adm.max_queue_wait_s, thread_wait_s=self._thread_wait_s,
+                                        refuse_predicted=adm.refuse_predicted_waits)
         self.health = DeviceHealth(engine, probe, self.gate, self.policy, self.cost_model,
                                    adm, metrics)
         self.log = RequestLog(identity.replica_id, probe)
@@ -114,7 +115,8 @@ class Replica:
             self.health.figures(self.thread.running, self.thread.total), policy.budget_bytes,
             policy.measured_budget_bytes, policy.shrink_count, policy.regrow_count,
             time.time(), self.decode.figures() if self.decode is not None else None,
-            self.jobs_queued)
+            self.jobs_queued,
+            queue.refused_by_prediction(args.deployment.autoscaling_look_back_s))
 
     def close(self) -> None:
         """Stop batching and the thread (replica shutdown)."""

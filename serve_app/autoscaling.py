@@ -80,6 +80,8 @@ class ReplicaLoad:
         running_requests: requests holding a lease (running or waiting for the thread).
         jobs_queued: durable jobs waiting for a replica (the app's one queue in Redis; each
             replica reports the same count, so it is counted once: the largest report).
+        refused_by_prediction: requests refused at once because they would have waited too
+            long: counted as waiting, or refusing early would hide the demand.
     """
 
     queue_depth: float = 0.0
@@ -88,6 +90,7 @@ class ReplicaLoad:
     budget_bytes: float = 0.0
     running_requests: float = 0.0
     jobs_queued: float = 0.0
+    refused_by_prediction: float = 0.0
 
     @property
     def idle(self) -> bool:
@@ -235,7 +238,8 @@ def pressure(snapshot: AutoscalingSnapshot, config: AutoscalingPolicyConfig) -> 
     demand = sum(r.reserved_bytes + r.queued_bytes for r in loads)
     capacity = config.target_utilisation * (sum(budgets) / len(budgets)) * n if budgets else 0.0
     bytes_p = demand / capacity if capacity > 0 else (math.inf if budgets and demand else 0.0)
-    waiting = sum(r.queue_depth for r in loads) + max(0.0, snapshot.handle_queued_requests) \
+    waiting = sum(r.queue_depth + r.refused_by_prediction for r in loads) \
+        + max(0.0, snapshot.handle_queued_requests) \
         + max((r.jobs_queued for r in loads), default=0.0)
     return Pressure(bytes_p, waiting / (config.target_queue_per_replica * n))
 

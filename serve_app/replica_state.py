@@ -33,9 +33,11 @@ AUTOSCALING_RESERVED_BYTES_KEY = "vramgate_reserved_bytes"
 AUTOSCALING_BUDGET_BYTES_KEY = "vramgate_budget_bytes"
 AUTOSCALING_RUNNING_REQUESTS_KEY = "vramgate_running_requests"
 AUTOSCALING_JOBS_QUEUED_KEY = "vramgate_jobs_queued"
+AUTOSCALING_REFUSED_KEY = "vramgate_refused_by_prediction"
 AUTOSCALING_KEYS = (AUTOSCALING_QUEUE_DEPTH_KEY, AUTOSCALING_QUEUED_BYTES_KEY,
                     AUTOSCALING_RESERVED_BYTES_KEY, AUTOSCALING_BUDGET_BYTES_KEY,
-                    AUTOSCALING_RUNNING_REQUESTS_KEY, AUTOSCALING_JOBS_QUEUED_KEY)
+                    AUTOSCALING_RUNNING_REQUESTS_KEY, AUTOSCALING_JOBS_QUEUED_KEY,
+                    AUTOSCALING_REFUSED_KEY)
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,8 @@ class ReplicaState:
         updated_at: when it was taken (``time.time()``).
         jobs_queued: durable jobs waiting in the app's queue, as this replica last read it
             (0 without jobs).
+        refused_by_prediction: requests this replica refused by prediction over the
+            autoscaling look-back window (they would have waited: demand for the autoscaler).
         kv_cache: continuous batching's figures (sequences running and waiting, KV blocks:
             size in tokens and bytes, the budget's worth, leased, in use), or ``None``
             (no continuous batching on this replica).
@@ -141,6 +145,7 @@ class ReplicaState:
     updated_at: float = field(default=0.0)
     kv_cache: Mapping[str, int] | None = None
     jobs_queued: int = 0
+    refused_by_prediction: int = 0
 
     def to_status(self) -> dict[str, Any]:
         """The JSON shown per replica by ``GET /v1/status``."""
@@ -190,4 +195,5 @@ class ReplicaState:
                 AUTOSCALING_RESERVED_BYTES_KEY: float(gate.reserved_bytes),
                 AUTOSCALING_BUDGET_BYTES_KEY: float(self.budget_bytes),
                 AUTOSCALING_RUNNING_REQUESTS_KEY: float(gate.active_leases),
-                AUTOSCALING_JOBS_QUEUED_KEY: float(self.jobs_queued)}
+                AUTOSCALING_JOBS_QUEUED_KEY: float(self.jobs_queued),
+                AUTOSCALING_REFUSED_KEY: float(self.refused_by_prediction)}

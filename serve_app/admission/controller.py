@@ -56,20 +56,23 @@ class AdmissionController:
         drain_window_s: window of the drain-rate estimate behind ``Retry-After``.
         thread_wait_s: the inference thread's backlog in seconds, for predictions
             (:meth:`AdmissionQueue.predicted_wait_s`).
+        refuse_predicted: see :class:`AdmissionQueue`.
 
     Must be used from one event loop (the replica's).
     """
 
     def __init__(self, budget_bytes: int, max_queue_len: int, max_queue_wait_s: float,
                  clock: Callable[[], float] = time.monotonic, drain_window_s: float = 10.0,
-                 thread_wait_s: Callable[[], float] = lambda: 0.0):
+                 thread_wait_s: Callable[[], float] = lambda: 0.0,
+                 refuse_predicted: bool = True):
         self._clock = clock
         self._futures: dict[int, asyncio.Future[Lease]] = {}
         self._watchers: dict[int, tuple[OnQueued, list[int]]] = {}
         self.queue = AdmissionQueue(
             MemoryBudget(budget_bytes), max_queue_len, max_queue_wait_s, clock,
             DrainRateEstimator(drain_window_s, clock), on_admit=self._wake,
-            on_change=self._moved, thread_wait_s=thread_wait_s)
+            on_change=self._moved, thread_wait_s=thread_wait_s,
+            refuse_predicted=refuse_predicted)
 
     @property
     def budget(self) -> MemoryBudget:

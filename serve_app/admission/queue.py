@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -104,6 +104,8 @@ class AdmissionQueue:
             evicted), i.e. whenever the positions of those behind them change.
         thread_wait_s: seconds a request admitted now would wait for the inference thread
             (its backlog of passes; see :meth:`predicted_wait_s`), ``0`` when unknown.
+        refuse_predicted: refuse by prediction every request (``True``), or only those whose
+            client gave a wait limit (``False``; ``admission.refuse_predicted_waits``).
     """
 
     budget: MemoryBudget
@@ -114,8 +116,10 @@ class AdmissionQueue:
     on_admit: Callable[[Waiter], None] | None = None
     on_change: Callable[[], None] | None = None
     thread_wait_s: Callable[[], float] = lambda: 0.0
+    refuse_predicted: bool = True
     calibration: WaitCalibration = field(default_factory=WaitCalibration)
     _waiters: OrderedDict[int, Waiter] = field(default_factory=OrderedDict, init=False)
+    _predicted_refusals: deque = field(default_factory=deque, init=False)
     _queued_bytes: int = field(default=0, init=False)
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1), init=False)
 
@@ -159,9 +163,11 @@ class AdmissionQueue:
         self.expire()
         left_s = self.time_left_s(waited_s, wait_limit_s)
         predicted_s = self.predicted_wait_s(nbytes)
-        over_s = None if predicted_s is None \
+        over_s = None if predicted_s is None or not (
+            self.refuse_predicted or wait_limit_s is not None) \
             else predicted_s + self.calibration.margin_s() - left_s
         if over_s is not None and over_s > 0:
+            self._predicted_refusals.append(self.clock())
             return Decision(Outcome.REJECTED, nbytes, reason=Reason.PREDICTED_TIMEOUT,
                             retry_after_s=min(MAX_RETRY_AFTER_S, max(MIN_WAIT_S, over_s)),
                             queue_position=len(self._waiters), predicted_wait_s=predicted_s)
@@ -182,6 +188,14 @@ class AdmissionQueue:
         self._queued_bytes += nbytes
         return Decision(Outcome.QUEUED, nbytes, waiter=waiter, queue_position=waiter.position,
                         predicted_wait_s=predicted_s)
+
+    def refused_by_prediction(self, window_s: float) -> int:
+        """Requests refused by prediction in the last ``window_s`` seconds: demand that did
+        not wait, which the autoscaler counts with the waiters."""
+        since = self.clock() - window_s
+        while self._predicted_refusals and self._predicted_refusals[0] < since:
+            self._predicted_refusals.popleft()
+        return len(self._predicted_refusals)
 
     def time_left_s(self, waited_s: float = 0.0, wait_limit_s: float | None = None) -> float:
         """Seconds a request that already waited ``waited_s`` may still wait: the smaller of

@@ -16,8 +16,9 @@ from ray import serve
 from tests.support import MiB, fake_app_args
 
 ARGS = fake_app_args(
-    # 20-token inputs: 20 MiB and 0.1 s each; the budget holds two at a time.
-    fake={"latency_per_token_s": 0.005, "bytes_per_token": MiB},
+    # 20-token inputs: 20 MiB and 0.4 s each; the budget holds two at a time, so the 50 jobs
+    # take about 10 s: the restart comes while most of them wait.
+    fake={"latency_per_token_s": 0.02, "bytes_per_token": MiB},
     memory={"budget_bytes": 40 * MiB},
     limits={"max_inputs": 1, "max_input_tokens": 32},
     jobs={"heartbeat_ttl_s": 3.0})
