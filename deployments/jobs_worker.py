@@ -98,9 +98,8 @@ class JobWorker:
         """Whether jobs may start now: nobody waits for a lease and the thread is free
         enough."""
         replica = self._replica
-        return replica.gate.queue.queue_depth == 0 and replica.thread.backlog_wait_s(
-            replica.batcher.pending_passes if replica.batcher else 0) \
-            < replica.args.admission.max_queue_wait_s / 2
+        return replica.gate.queue.queue_depth == 0 \
+            and replica.thread_wait_s() < replica.args.admission.max_queue_wait_s / 2
 
     async def _start_next(self) -> bool:
         """Start the queue's head if it fits now; whether another try may follow at once."""

@@ -74,7 +74,7 @@ class Replica:
         self.cost_model = CorrectedCostModel(cost_model)
         self.policy = make_policy(adm, budget_bytes)
         self.gate = AdmissionController(self.policy.capacity_units, adm.max_queue_len,
-                                        adm.max_queue_wait_s, thread_wait_s=self._thread_wait_s,
+                                        adm.max_queue_wait_s, thread_wait_s=self.thread_wait_s,
                                         refuse_predicted=adm.refuse_predicted_waits)
         self.health = DeviceHealth(engine, probe, self.gate, self.policy, self.cost_model,
                                    adm, metrics)
@@ -91,7 +91,7 @@ class Replica:
                                           self.batcher, self.health, args, metrics, self.log,
                                           identity.replica_id, request_id, self.decode)
 
-    def _thread_wait_s(self) -> float:
+    def thread_wait_s(self) -> float:
         """Seconds a request admitted now would wait for the inference thread (for the
         gate's predictions): the passes running or queued on it, and those the batcher's
         waiting requests will form."""
@@ -105,7 +105,7 @@ class Replica:
             budget.budget_bytes, budget.reserved_bytes, budget.peak_reserved_bytes,
             budget.free_bytes, budget.active_leases, queue.queue_depth, queue.queued_bytes,
             budget.charged_bytes_total, budget.released_bytes_total, queue.drain.bytes_per_s(),
-            self._thread_wait_s(), queue.drain.busy_bytes_per_s(), queue.calibration.margin_s())
+            self.thread_wait_s(), queue.drain.busy_bytes_per_s(), queue.calibration.margin_s())
         identity, args = self.identity, self.args
         return ReplicaState(
             identity.replica_id, identity.node_id, identity.gpu_ids,
