@@ -72,6 +72,9 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         num_replicas=cfg.deployment.ingress_replicas,
         max_ongoing_requests=cfg.deployment.ingress_max_ongoing_requests,
         logging_config=logging_config,
+        # A redeploy starts the new ingress before the old one stops: it holds no device and
+        # no state, so HTTP is never left without one (it may wait for the job store).
+        max_surge_percent=100,
     ).bind(cfg, model, registry, idempotency, broker)
 
 
@@ -85,6 +88,7 @@ def _model_options(cfg: AppArgs, plan: DeploymentPlan) -> dict[str, Any]:
         ray_actor_options={"num_gpus": plan.num_gpus, "num_cpus": dep.num_cpus},
         health_check_period_s=dep.health_check_period_s,
         health_check_timeout_s=dep.health_check_timeout_s,
+        max_surge_percent=dep.max_surge_percent,
         # A replica that cannot hold the largest allowed request fails the same way every
         # time: give up after a few tries instead of Ray's default 20 restarts.
         max_constructor_retry_count=MODEL_CONSTRUCTOR_RETRIES,

@@ -204,6 +204,11 @@ class DeploymentConfig(_Section):
         "on; then the analytic estimate is used.")
     health_check_period_s: float = Field(10.0, gt=0, description="Ray Serve health checks.")
     health_check_timeout_s: float = Field(30.0, gt=0, description="Ray Serve health checks.")
+    max_surge_percent: int = Field(
+        0, ge=0, le=100, description="Extra model replicas a redeploy may start, as a percent "
+        "of num_replicas (Ray Serve's max_surge_percent): > 0 keeps the old replicas serving "
+        "until their replacements are ready, but each needs room (its num_gpus) beside them; "
+        "0 stops old replicas first.")
 
     @property
     def autoscaling(self) -> bool:
