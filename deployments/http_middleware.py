@@ -17,8 +17,10 @@ from serve_app.metrics import ProcessMetrics
 
 class HttpMetricsMiddleware:
     """Counts every HTTP response (``http_requests_total``) and observes its duration up to
-    the last body byte (``http_request_seconds``). A client that leaves before the response
-    starts is counted with status ``499`` (nginx's "client closed request")."""
+    the last body byte (``http_request_seconds``), labelled with the model the ingress chose
+    for it (``request.state.model``; empty for routes of no one model). A client that leaves
+    before the response starts is counted with status ``499`` (nginx's "client closed
+    request")."""
 
     def __init__(self, app: ASGIApp, metrics: ProcessMetrics) -> None:
         self._app = app
@@ -41,9 +43,11 @@ class HttpMetricsMiddleware:
             await self._app(scope, receive, send_and_note)
         finally:
             route = getattr(scope.get("route"), "path", None) or "other"
-            self._metrics.inc("http_requests", route=route, status=str(status))
+            # The model the request named, once the ingress has chosen it (request.state).
+            model = str(scope.get("state", {}).get("model", ""))
+            self._metrics.inc("http_requests", route=route, status=str(status), model=model)
             self._metrics.observe("http_request_seconds", time.monotonic() - started,
-                                  route=route)
+                                  route=route, model=model)
 
 
 class HeadMiddleware:

@@ -37,43 +37,18 @@ class JobRequest(BaseModel):
 
 
 class JobsFront:
-    """Accepts, shows and cancels jobs.
+    """One model's jobs: accepts, shows and cancels them in its job store.
 
     Args:
-        store: the app's job store.
-        routes: the inference routes, by path.
-        replicas: the ingress's view of the replicas (a job's price, the largest budget).
+        store: the model's job store.
+        routes: the model's inference routes, by path.
+        replicas: the ingress's view of the model's replicas (a job's price, the largest
+            budget).
     """
 
     def __init__(self, store: JobStore, routes: Mapping[str, Route],
                  replicas: ReplicaView) -> None:
         self._store, self._routes, self._replicas = store, routes, replicas
-
-    def install(self, app: FastAPI) -> None:
-        """Add ``/v1/jobs`` routes to ``app``."""
-        app.post("/v1/jobs", status_code=202, response_model=None,
-                 responses=responses(JobResponse, 400, 401, 404, 413, 422, 503, ok_status=202)
-                 )(self.create)
-        app.get("/v1/jobs/{job_id}", response_model=None,
-                responses=responses(JobResponse, 401, 404))(self.show)
-        app.delete("/v1/jobs/{job_id}", response_model=None,
-                   responses=responses(JobResponse, 401, 404))(self.cancel)
-
-    async def create(self, job: JobRequest, request: Request) -> JSONResponse:
-        """``POST /v1/jobs``: run ``job.body`` on ``job.route`` as a job (202)."""
-        route = self._routes.get(job.route)
-        if route is None:
-            raise ModelNotFoundError(f"no inference route {job.route!r} here; one of "
-                                     f"{sorted(self._routes)}")
-        try:
-            body = route.body_model.model_validate(job.body)
-        except ValidationError as exc:
-            raise RequestValidationError(
-                [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
-        if getattr(body, "stream", False):
-            raise InvalidRequestError("a job's result is fetched whole: stream must be false",
-                                      code="stream")
-        return await self.submit(job.route, body, request)
 
     async def submit(self, path: str, body: BaseModel, request: Request) -> JSONResponse:
         """Store ``body`` for the route at ``path`` as a job; 202 with its ``Location``.
@@ -97,15 +72,71 @@ class JobsFront:
         return JSONResponse(job.to_body(), status_code=202,
                             headers={"Location": f"/v1/jobs/{job.id}"})
 
+    async def show(self, job_id: str) -> JobView | None:
+        """The job now (``None`` when unknown here or expired)."""
+        return await self._store.get(job_id)
+
+    async def cancel(self, job_id: str) -> JobView | None:
+        """Cancel a queued job; a running one finishes and its result is dropped
+        (``status`` stays ``running`` until then); a finished one is left as it is. ``None``
+        when unknown here or expired."""
+        return await self._store.cancel(job_id)
+
+
+class JobsRoutes:
+    """``/v1/jobs``: a job goes to the jobs of the model its body names; a job id is looked
+    up in each model's store.
+
+    Args:
+        models: the ingress's models (:class:`deployments.served_models.ServedModels`);
+            each model's route has its :class:`JobsFront` (``route.context.jobs``).
+    """
+
+    def __init__(self, models: Any) -> None:
+        self._models = models
+
+    def install(self, app: FastAPI) -> None:
+        """Add ``/v1/jobs`` routes to ``app``."""
+        app.post("/v1/jobs", status_code=202, response_model=None,
+                 responses=responses(JobResponse, 400, 401, 404, 413, 422, 503, ok_status=202)
+                 )(self.create)
+        app.get("/v1/jobs/{job_id}", response_model=None,
+                responses=responses(JobResponse, 401, 404))(self.show)
+        app.delete("/v1/jobs/{job_id}", response_model=None,
+                   responses=responses(JobResponse, 401, 404))(self.cancel)
+
+    async def create(self, job: JobRequest, request: Request) -> JSONResponse:
+        """``POST /v1/jobs``: run ``job.body`` on ``job.route`` as a job (202)."""
+        if job.route not in self._models.paths():
+            raise ModelNotFoundError(f"no inference route {job.route!r} here; one of "
+                                     f"{self._models.paths()}")
+        model = job.body.get("model")
+        route = self._models.route(job.route, model if isinstance(model, str) else None)
+        try:
+            body = route.body_model.model_validate(job.body)
+        except ValidationError as exc:
+            raise RequestValidationError(
+                [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+        if getattr(body, "stream", False):
+            raise InvalidRequestError("a job's result is fetched whole: stream must be false",
+                                      code="stream")
+        request.state.model = route.context.args.model.name
+        return await route.context.jobs.submit(job.route, body, request)
+
     async def show(self, job_id: str) -> dict[str, Any]:
         """``GET /v1/jobs/{job_id}``: the job now (404 when unknown or expired)."""
-        return _found(await self._store.get(job_id), job_id).to_body()
+        return _found(await self._first(job_id, JobsFront.show), job_id).to_body()
 
     async def cancel(self, job_id: str) -> dict[str, Any]:
-        """``DELETE /v1/jobs/{job_id}``: a queued job is cancelled; a running one finishes and
-        its result is dropped (``status`` stays ``running`` until then); a finished one is
-        left as it is."""
-        return _found(await self._store.cancel(job_id), job_id).to_body()
+        """``DELETE /v1/jobs/{job_id}``: :meth:`JobsFront.cancel` (404 when unknown)."""
+        return _found(await self._first(job_id, JobsFront.cancel), job_id).to_body()
+
+    async def _first(self, job_id: str, call: Any) -> JobView | None:
+        """``call(front, job_id)`` on each model's jobs until one knows the job."""
+        for front in self._models.fronts:
+            if front.jobs is not None and (job := await call(front.jobs, job_id)) is not None:
+                return job
+        return None
 
 
 def _found(job: JobView | None, job_id: str) -> JobView:

@@ -87,7 +87,7 @@ class ModelServer:
         context = serve.get_replica_context()
         replica_id = context.replica_id.unique_id if context else "local"
         metrics = ProcessMetrics(context.deployment if context else "ModelServer", replica_id,
-                                 zeroed=REPLICA_EVENT_COUNTERS)
+                                 zeroed=REPLICA_EVENT_COUNTERS, model=args.model.name)
         runtime = ray.get_runtime_context()
         identity = ReplicaIdentity(
             replica_id, runtime.get_node_id(),

@@ -30,13 +30,15 @@ class ReplicaView:
         policy: the admission policy's class (prices in its units).
         fallback_retry_after_s: ``Retry-After`` while no drain rate is measured
             (``admission.max_queue_wait_s``).
+        model: the model whose replicas it shows (``model.name``; the registry holds every
+            model's of the app); ``None``: all.
         clock: monotonic seconds.
     """
 
     def __init__(self, registry: DeploymentHandle, policy: UnitsPolicy,
-                 fallback_retry_after_s: float,
+                 fallback_retry_after_s: float, model: str | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self._registry, self._policy = registry, policy
+        self._registry, self._policy, self._model = registry, policy, model
         self._fallback_s, self._clock = fallback_retry_after_s, clock
         self._states: list[ReplicaState] = []
         self._taken_at = -float("inf")
@@ -47,7 +49,9 @@ class ReplicaView:
         now = self._clock()
         if now - self._taken_at >= STATUS_CACHE_S:
             try:
-                self._states = await self._registry.snapshot.remote()
+                states = await self._registry.snapshot.remote()
+                self._states = [s for s in states
+                                if self._model is None or s.model == self._model]
             except Exception as exc:  # the registry restarting
                 logger.warning("replica registry unavailable: %s",
                                as_serve_app_error(exc).message)

@@ -98,8 +98,11 @@ def _parser() -> argparse.ArgumentParser:
                          help="serve run config YAML, e.g. configs/local.yaml")
     profile.add_argument("--app", default=None, help="application name (default: the first "
                          f"whose import_path is {IMPORT_PATH})")
+    profile.add_argument("--model", default=None, help="which model of an application that "
+                         "serves several (args.models), by model.name")
     profile.add_argument("--out", default=None, type=Path,
-                         help="where to write the profile JSON (default: profiles/<app>.json)")
+                         help="where to write the profile JSON (default: profiles/<app>.json, "
+                         "profiles/<app>-<model>.json for one of several models)")
     profile.set_defaults(command=profile_command)
     return parser
 

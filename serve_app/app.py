@@ -19,8 +19,10 @@ from deployments.job_broker import JobBroker, broker_data_dir
 from deployments.model_server import ModelServer
 from deployments.registry import ReplicaRegistry
 from deployments.router import ROUTER_CLASS_PATH
-from serve_app.config import AppArgs, parse_args
-from serve_app.placement import gpu_placement_problem
+from deployments.served_models import ModelBinding
+from serve_app.app_config import parse_models
+from serve_app.config import AppArgs
+from serve_app.placement import gpu_placement_problem, packing_problem
 from serve_app.planning import DeploymentPlan, plan_deployment
 
 logger = logging.getLogger(__name__)
@@ -33,11 +35,12 @@ REQUEST_ROUTERS = {"budget": ROUTER_CLASS_PATH, "pow2": None}
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """Build the vramgate application from a config's ``args:``.
 
-    The graph is Ingress (HTTP, FastAPI) -> ModelServer replicas (the model behind the
-    byte-budget gate), plus the ReplicaRegistry they publish their state to and, for durable
-    jobs without ``jobs.redis_url``, the JobBroker that runs their embedded Redis. Deployment
-    options (``num_gpus``, ``max_ongoing_requests``) come from
-    :func:`serve_app.planning.plan_deployment`.
+    The graph is Ingress (HTTP, FastAPI) -> one model deployment per model (``args.models``,
+    :func:`serve_app.app_config.parse_models`; one without it): ModelServer replicas, the
+    model behind the byte-budget gate, plus the ReplicaRegistry they publish their state to
+    and, for durable jobs without ``jobs.redis_url``, the JobBroker that runs each model's
+    embedded Redis. Deployment options (``num_gpus``, ``max_ongoing_requests``) come from
+    :func:`serve_app.planning.plan_deployment`, per model.
 
     The deployments get the validated args (parsed once, here) and the engine is resolved
     here too (:func:`deployments.engines.registry.engine_class`), so a bad engine name or
@@ -46,7 +49,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     Raises:
         serve_app.config.ConfigError: unknown, misplaced or invalid keys (named in the
             message), or an engine that cannot be resolved or refuses the args.
-        DeploymentRefused: no node of the cluster can ever place a model replica.
+        DeploymentRefused: no node of the cluster can ever place a model replica, or the
+            models' GPU shares cannot all be placed at once.
         InsufficientMemoryError, OSError, DeviceUnavailableError: the measurement made
             before the deployment refused (:mod:`deployments.build_measurement`).
 
@@ -55,19 +59,17 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     forever on an application that cannot deploy.
     """
     try:
-        cfg, plan = _plan_on_cluster(parse_args(args))
+        models = parse_models(args)
+        planned = [_plan_on_cluster(cfg) for cfg in _placeable(models)]
     except REFUSALS as exc:
         stop_serve_run_with(exc)
         raise
-    logger.info("model deployment: num_gpus=%s max_ongoing_requests=%d (%s)",
-                plan.num_gpus, plan.max_ongoing_requests, plan.how)
+    cfg = planned[0][0]
     logging_config = {"encoding": cfg.logging.encoding, "log_level": cfg.logging.log_level}
     registry = ReplicaRegistry.bind()
     idempotency = IdempotencyStore.bind(cfg.idempotency.ttl_s, cfg.idempotency.max_entries)
-    broker = JobBroker.bind(broker_data_dir(cfg)) \
-        if cfg.jobs.enabled and not cfg.jobs.redis_url else None
-    model = ModelServer.options(**_model_options(cfg, plan), logging_config=logging_config,
-                                ).bind(cfg, registry, plan.summary(), broker)
+    bindings = [_bind_model(cfg, plan, registry, logging_config, len(planned) > 1)
+                for cfg, plan in planned]
     return Ingress.options(
         num_replicas=cfg.deployment.ingress_replicas,
         max_ongoing_requests=cfg.deployment.ingress_max_ongoing_requests,
@@ -75,7 +77,39 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         # A redeploy starts the new ingress before the old one stops: it holds no device and
         # no state, so HTTP is never left without one (it may wait for the job store).
         max_surge_percent=100,
-    ).bind(cfg, model, registry, idempotency, broker)
+    ).bind(bindings, registry, idempotency)
+
+
+def _bind_model(cfg: AppArgs, plan: DeploymentPlan, registry: Application,
+                logging_config: dict[str, Any], named: bool) -> ModelBinding:
+    """One model's deployment (and its embedded job broker): named ``ModelServer`` in an
+    app of one model, ``ModelServer:<model.name>`` (``JobBroker:<model.name>``) in an app of
+    several."""
+    logger.info("model deployment of %r: num_gpus=%s max_ongoing_requests=%d (%s)",
+                cfg.model.name, plan.num_gpus, plan.max_ongoing_requests, plan.how)
+    suffix = f":{cfg.model.name}" if named else ""
+    broker = JobBroker.options(name=f"JobBroker{suffix}").bind(broker_data_dir(cfg)) \
+        if cfg.jobs.enabled and not cfg.jobs.redis_url else None
+    model = ModelServer.options(name=f"ModelServer{suffix}", **_model_options(cfg, plan),
+                                logging_config=logging_config,
+                                ).bind(cfg, registry, plan.summary(), broker)
+    return ModelBinding(cfg, model, broker)
+
+
+def _placeable(models: list[AppArgs]) -> list[AppArgs]:
+    """``models``, once the cluster is known to be able to place all their replicas.
+
+    Raises:
+        DeploymentRefused: no node can ever hold one of them, or their GPU shares cannot all
+            be packed onto the cluster's GPUs (:mod:`serve_app.placement`)."""
+    if ray.is_initialized():
+        nodes = ray.nodes()
+        for cfg in models:
+            if problem := gpu_placement_problem(cfg, nodes):
+                raise DeploymentRefused(problem)
+        if problem := packing_problem(models, nodes):
+            raise DeploymentRefused(problem)
+    return models
 
 
 def _model_options(cfg: AppArgs, plan: DeploymentPlan) -> dict[str, Any]:
@@ -105,13 +139,9 @@ def _plan_on_cluster(cfg: AppArgs) -> tuple[AppArgs, DeploymentPlan]:
     node that can read it checks it against its own device instead of profiling again.
 
     Raises:
-        DeploymentRefused: no node can ever place a replica (:mod:`deployments.fail_fast`).
         the refusals of :data:`deployments.fail_fast.REFUSALS`, from the measurement.
     """
-    on_ray = ray.is_initialized()
-    if on_ray and (problem := gpu_placement_problem(cfg, ray.nodes())):
-        raise DeploymentRefused(problem)
-    measurement = measure_before_deploy(cfg) if on_ray else None
+    measurement = measure_before_deploy(cfg) if ray.is_initialized() else None
     plan = plan_deployment(cfg, engine_class(cfg), measurement)
     if measurement is not None and measurement.profile_path:
         memory = cfg.memory.model_copy(update={"profile_path": measurement.profile_path})

@@ -1,7 +1,8 @@
 """Every metric the service exports, declared once.
 
 Names carry the project prefix and their unit (``_bytes``, ``_seconds``, ``_total``); labels
-are bounded: ``deployment`` and ``replica`` on every series, plus ``outcome``, ``reason``,
+are bounded: ``deployment``, ``replica`` and ``model`` (the served model's name; empty on an
+ingress series that belongs to no one model) on every series, plus ``outcome``, ``reason``,
 ``route`` and ``status`` where listed. Histograms have explicit buckets.
 
 Each process (a model replica or an ingress replica) records into a :class:`ProcessMetrics`,
@@ -20,6 +21,7 @@ See docs/observability.md for what each metric means and the alert rules built o
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -40,7 +42,7 @@ logger = logging.getLogger(__name__)
 disable_created_metrics()  # no ``*_created`` series: they double every counter's families
 
 PREFIX = "vramgate"
-COMMON_LABELS = ("deployment", "replica")
+COMMON_LABELS = ("deployment", "replica", "model")
 
 # Seconds: from 1 ms (a request admitted at once) to 60 s (the longest admission.max_queue_wait_s
 # and inference_timeout_s worth waiting for).
@@ -148,19 +150,21 @@ REPLICA_EVENT_COUNTERS = ("ooms", "budget_shrinks", "budget_regrowths", "device_
 
 
 class ProcessMetrics:
-    """This process's metrics, labelled with its deployment and replica.
+    """This process's metrics, labelled with its deployment, replica and model.
 
     Args:
         deployment: the Serve deployment name (``ModelServer``, ``Ingress``).
         replica: the replica id (unique in the cluster).
+        model: the model served (``model.name``); empty for an ingress, whose per-model
+            series come from :meth:`for_model`.
         use_ray: also record through ``ray.util.metrics`` (off in unit tests without Ray).
         zeroed: counters (names without labels beyond the common ones) exported at 0 from the
             start, so that their first increment shows in ``rate()`` / ``increase()``.
     """
 
     def __init__(self, deployment: str, replica: str, use_ray: bool = True,
-                 zeroed: tuple[str, ...] = ()) -> None:
-        self.common = {"deployment": deployment, "replica": replica}
+                 zeroed: tuple[str, ...] = (), model: str = "") -> None:
+        self.common = {"deployment": deployment, "replica": replica, "model": model}
         self.registry = CollectorRegistry(auto_describe=True)
         self._local: dict[str, Any] = {}
         self._children: dict[tuple, Any] = {}
@@ -181,6 +185,14 @@ class ProcessMetrics:
             self._ray = _ray_metrics()
         for name in zeroed:  # locally only: Ray's Counter.inc refuses 0
             self._local[name].labels(**self.common).inc(0)
+
+    def for_model(self, model: str) -> ProcessMetrics:
+        """The same series (one registry, one exposition) recorded with ``model`` as their
+        ``model`` label: an ingress's view for one of the models it serves."""
+        view = copy.copy(self)
+        view.common = {**self.common, "model": model}
+        view._children = {}
+        return view
 
     def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
         self._child(name, labels).inc(value)
@@ -203,7 +215,8 @@ class ProcessMetrics:
         key = (name, *labels.items())
         child = self._children.get(key)
         if child is None:
-            child = self._children[key] = self._local[name].labels(**self.common, **labels)
+            child = self._children[key] = self._local[name].labels(
+                **{**self.common, **labels})
         return child
 
     def exposition(self) -> str:

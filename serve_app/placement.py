@@ -1,4 +1,5 @@
-"""Whether a Ray cluster can ever place a model replica: checked before the deployment is
+"""Whether a Ray cluster can ever place a model replica, and the replicas of every model of
+an app at once (their GPU shares packed onto whole cards): checked before the deployment is
 created, so that a config asking for GPUs the cluster does not have fails at once instead of
 waiting forever for resources (:mod:`deployments.fail_fast`).
 
@@ -30,3 +31,51 @@ def gpu_placement_problem(args: AppArgs, nodes: list[dict[str, Any]]) -> str | N
             f"cluster has {lacking} ({have}). Start Ray with GPUs (ray start --num-gpus=N), "
             "lower deployment.num_gpus, serve on CPU (deployment.num_gpus: 0, model.device: "
             "cpu), or set deployment.wait_for_gpus: true to wait for GPU nodes to join")
+
+
+def gpu_packing(models: list[AppArgs], gpus: int | None = None,
+                ) -> tuple[list[list[tuple[str, float]]], list[tuple[str, float]]]:
+    """Where the model replicas' GPU shares go: ``(per GPU the (model, share) it holds,
+    shares left over)``, first-fit decreasing over ``gpus`` whole cards (``None``: as many as
+    needed, so nothing is left over).
+
+    Ray gives a replica with a fractional ``num_gpus`` a share of *one* card (``ray
+    start --num-gpus`` counts cards; "Fractional GPUs", Ray Core docs: a task asking for 0.5
+    GPU gets half of one device), so three models at 0.5 need two cards, not 1.5. Each
+    model counts ``num_replicas`` replicas (the initial count when autoscaling); replicas
+    without a GPU take none.
+    """
+    shares = sorted(((m.model.name, m.deployment.num_gpus) for m in models
+                     for _ in range(m.deployment.num_replicas) if m.deployment.num_gpus > 0),
+                    key=lambda share: -share[1])
+    cards: list[list[tuple[str, float]]] = [[] for _ in range(gpus or 0)]
+    left: list[tuple[str, float]] = []
+    for name, share in shares:
+        card = next((c for c in cards if sum(s for _, s in c) + share <= 1.0 + 1e-9), None)
+        if card is None and gpus is None:
+            cards.append(card := [])
+        if card is None:
+            left.append((name, share))
+        else:
+            card.append((name, share))
+    return cards, left
+
+
+def packing_problem(models: list[AppArgs], nodes: list[dict[str, Any]]) -> str | None:
+    """Why the GPU shares of all ``models``' replicas cannot be placed at once on the GPUs
+    of ``nodes`` (``ray.nodes()``; cards of one node pooled with every other's, which is
+    what matters to a share of one card), or ``None`` (they can, no model needs a GPU, or
+    one waits for GPU nodes: ``deployment.wait_for_gpus``)."""
+    if any(m.deployment.wait_for_gpus for m in models):
+        return None
+    cards = sum(int(float(n.get("Resources", {}).get("GPU", 0.0)))
+                for n in nodes if n.get("Alive"))
+    _, left = gpu_packing(models, cards)
+    if not left:
+        return None
+    needed = len(gpu_packing(models)[0])
+    return (f"the models' replicas need {needed} GPUs (their num_gpus shares packed onto "
+            f"whole cards: vramgate plan shows how), but this Ray cluster has {cards}; "
+            f"left over: {', '.join(f'{name} ({share:g})' for name, share in left)}. Add "
+            "GPUs, lower deployment.num_gpus or num_replicas, or set "
+            "deployment.wait_for_gpus: true to wait for GPU nodes to join")

@@ -282,15 +282,27 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class StatusResponse(BaseModel):
-    """``GET /v1/status`` body: each live model replica's published admission state."""
+class ModelStatus(BaseModel):
+    """One served model in ``GET /v1/status``."""
 
-    model: str
+    model: str = Field(description="Its `model.name`: what requests name it by.")
     engine: str
     max_seq_tokens: int = Field(description="The longest input the model reads, tokens.")
     embedding: dict[str, Any] | None = Field(
         None, description="Embedding models: how an input becomes a vector (sentence-"
         "transformers modules, pooling, normalize, prompts, do_lower_case).")
+
+
+class StatusResponse(BaseModel):
+    """``GET /v1/status`` body: each served model, and each live model replica's published
+    admission state (its ``model`` names which). An app of one model also has that model's
+    fields at the top."""
+
+    model: str | None = Field(None, description="The model, in an app of one model.")
+    engine: str | None = None
+    max_seq_tokens: int | None = None
+    embedding: dict[str, Any] | None = None
+    models: list[ModelStatus]
     replicas: list[dict[str, Any]]
 
 

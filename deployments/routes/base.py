@@ -30,6 +30,9 @@ class RouteContext:
         guard: runs keyed requests once (``Idempotency-Key``).
         jobs: accepts ``Prefer: respond-async`` requests as durable jobs
             (:class:`deployments.jobs_http.JobsFront`), or ``None`` (``jobs.enabled: false``).
+        models: every model the ingress serves
+            (:class:`deployments.served_models.ServedModels`): a request goes to the route of
+            the model it names; ``None`` (a model replica's routes): this one.
     """
 
     args: AppArgs
@@ -37,6 +40,7 @@ class RouteContext:
     client: ModelClient
     guard: IdempotencyGuard
     jobs: Any = None
+    models: Any = None
 
     def check_model(self, requested: str | None) -> None:
         """Raises ModelNotFoundError (404) for a ``model`` other than the one served."""
@@ -83,6 +87,19 @@ class Route:
         Raises:
             ServeAppError: 400/404 for a body this route refuses."""
         raise NotImplementedError
+
+    async def dispatch(self, body: Any, request: Request) -> Response:
+        """The endpoint: :meth:`handle` on this route of the model the body names
+        (``request.state.model`` records which, for the HTTP metrics).
+
+        Raises:
+            ModelNotFoundError, InvalidRequestError: as
+                :meth:`deployments.served_models.ServedModels.route`."""
+        models = self.context.models
+        route = self if models is None else \
+            models.route(self.path, getattr(body, "model", None))
+        request.state.model = route.context.args.model.name
+        return await route.handle(body, request)
 
     async def handle(self, body: Any, request: Request) -> Response:
         """The route's answer: a job (``Prefer: respond-async``, 202) or the response, a

@@ -26,7 +26,7 @@ class ChatCompletionsRoute(GenerationRoute):
 
     async def endpoint(self, body: ChatCompletionRequest, request: Request) -> Response:
         """``POST /v1/chat/completions`` (OpenAI-compatible)."""
-        return await self.handle(body, request)
+        return await self.dispatch(body, request)
 
     def params(self, body: ChatCompletionRequest) -> GenerationParams:
         return GenerationParams(body.new_tokens(self.context.args.limits.max_tokens),

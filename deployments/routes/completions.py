@@ -22,7 +22,7 @@ class CompletionsRoute(GenerationRoute):
     async def endpoint(self, body: CompletionRequest, request: Request) -> Response:
         """``POST /v1/completions`` (OpenAI-compatible; ``stream: true`` for server-sent
         events ending with ``data: [DONE]``)."""
-        return await self.handle(body, request)
+        return await self.dispatch(body, request)
 
     def params(self, body: CompletionRequest) -> GenerationParams:
         return GenerationParams(body.max_tokens, body.temperature, body.top_p, body.seed,

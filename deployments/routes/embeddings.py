@@ -29,7 +29,7 @@ class EmbeddingsRoute(Route):
 
     async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
         """``POST /v1/embeddings`` (OpenAI-compatible)."""
-        return await self.handle(body, request)
+        return await self.dispatch(body, request)
 
     async def prepare(self, body: EmbeddingRequest, request_id: str) -> Prepared:
         context = self.context

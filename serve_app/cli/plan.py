@@ -25,6 +25,7 @@ from serve_app.measurement import (
     measurement_key,
 )
 from serve_app.memory.budget import InsufficientMemoryError
+from serve_app.placement import gpu_packing
 from serve_app.planning import (
     MAX_ONGOING_REQUESTS_CAP,
     DeploymentPlan,
@@ -46,7 +47,7 @@ def plan_command(options: argparse.Namespace) -> int:
     for path in options.configs:
         problems, checked = check_config(path)
         problems += [line for c in checked for line in c.problems]
-        planned = [c for c in checked if c.plan is not None]
+        planned = [c for c in checked if c.planned]
         if not problems and not planned:
             problems.append(f"{path}: no application has import_path {IMPORT_PATH}")
         for line in problems:
@@ -58,21 +59,42 @@ def plan_command(options: argparse.Namespace) -> int:
 
 
 def _print_plan(checked: CheckedApp) -> bool:
-    """Print the plan of a valid vramgate application (from the measurement ``serve run``
-    made, when it is cached here); ``False`` when that measurement leaves no budget."""
-    app, args, engine, plan = checked.app, checked.args, checked.engine, checked.plan
-    if (measured := cached_measurement(app, args, engine)) is not None:
-        try:
-            plan = plan_deployment(args, engine, measured)
-        except InsufficientMemoryError as exc:
-            print_error(f"{app.where}: insufficient memory ({measured.describe()}): {exc}")
-            return False
-    lines = plan_lines(app.where, args, engine, plan)
-    if measured is None and measured_before_deploy(args):
-        lines.append("  (not measured yet: serve run measures the model on the cluster with "
-                     "one replica's resources before deploying it, and plans from that)")
+    """Print the plan of each model of a valid vramgate application (from the measurement
+    ``serve run`` made, when it is cached here) and, for GPU models, how their shares pack
+    onto cards; ``False`` when a measurement leaves no budget."""
+    app, several = checked.app, len(checked.models) > 1
+    lines: list[str] = []
+    for model in checked.models:
+        args, engine, plan = model.args, model.engine, model.plan
+        title = app.where + (f", model {args.model.name!r}" if several else "")
+        if (measured := cached_measurement(app, args, engine)) is not None:
+            try:
+                plan = plan_deployment(args, engine, measured)
+            except InsufficientMemoryError as exc:
+                print_error(f"{title}: insufficient memory ({measured.describe()}): {exc}")
+                return False
+        lines += plan_lines(title, args, engine, plan)
+        if measured is None and measured_before_deploy(args):
+            lines.append("  (not measured yet: serve run measures the model on the cluster "
+                         "with one replica's resources before deploying it, and plans from "
+                         "that)")
+    lines += packing_lines([m.args for m in checked.models])
     print("\n".join(lines))
     return True
+
+
+def packing_lines(models: list[AppArgs]) -> list[str]:
+    """How the GPU shares of every model replica pack onto whole cards
+    (:func:`serve_app.placement.gpu_packing`); nothing for an app without GPU replicas."""
+    cards, _ = gpu_packing(models)
+    if not cards:
+        return []
+    lines = [f"  GPUs needed:          {len(cards)}   (each replica's num_gpus is a share of "
+             "one card)"]
+    lines += [f"    GPU {i}: " + ", ".join(f"{name} ({share:g})" for name, share in card)
+              + f"   ({sum(share for _, share in card):g} of 1)"
+              for i, card in enumerate(cards)]
+    return lines
 
 
 def cached_measurement(app: ServeApp, args: AppArgs, engine: EngineSpec) -> Measurement | None:

@@ -36,10 +36,11 @@ if TYPE_CHECKING:
 def profile_command(options: argparse.Namespace) -> int:
     """``vramgate profile``: see the module docstring."""
     app = read_application(options.config, options.app)
-    args, engine = load_args(app)
+    args, engine = load_args(app, options.model)
     args = profiling_args(args)
     require_cuda_if_needed(args, engine, app.where)
-    out = (options.out or Path("profiles") / f"{app.name}.json").expanduser().resolve()
+    stem = app.name if options.model is None else f"{app.name}-{args.model.name}"
+    out = (options.out or Path("profiles") / f"{stem}.json").expanduser().resolve()
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

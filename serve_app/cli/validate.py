@@ -3,10 +3,12 @@ config, found without Ray (nothing here imports it; a test holds that).
 
 For each file: what Ray Serve's schema would refuse (:mod:`.serve_config`); for each vramgate
 application (``import_path: serve_app.app:build_app``), what ``serve run`` would refuse while
-building it: the ``args:`` (:func:`serve_app.config.parse_args`: every invalid key at once;
-checks relating two keys run once both keys are valid), the engine and its own checks
+building it: the ``args:`` (:func:`serve_app.app_config.parse_models`: every invalid key of
+every model at once; checks relating two keys run once both keys are valid), each engine and
+its own checks
 (:func:`deployments.engines.registry.engine_class`) and the deployment plan
-(:func:`serve_app.planning.plan_deployment`, e.g. a profile that leaves no budget).
+(:func:`serve_app.planning.plan_deployment`, e.g. a profile that leaves no budget) of each
+model.
 """
 
 from __future__ import annotations
@@ -16,14 +18,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from serve_app.app_config import parse_models
 from serve_app.cli import EXIT_FAILED, EXIT_OK, CliError, config_problems, print_error
 from serve_app.cli.serve_config import IMPORT_PATH, ServeApp, read_serve_config
-from serve_app.config import AppArgs, ConfigError, parse_args
+from serve_app.config import AppArgs, ConfigError
 from serve_app.memory.budget import InsufficientMemoryError
 from serve_app.planning import DeploymentPlan, plan_deployment
 
 if TYPE_CHECKING:
     from deployments.engines.base import Engine
+
+
+@dataclass
+class CheckedModel:
+    """One model of a valid vramgate application: its validated ``args``, its engine class
+    and (when it has no problem) its deployment plan."""
+
+    args: AppArgs
+    engine: type[Engine]
+    plan: DeploymentPlan | None = None
 
 
 @dataclass
@@ -33,21 +46,21 @@ class CheckedApp:
     Attributes:
         app: the application as read.
         problems: every problem found, one line each (empty: valid).
-        args: its validated ``args:`` (vramgate applications whose args are valid).
-        engine: its engine class (idem).
-        plan: its deployment plan (vramgate applications without problems).
+        models: its models (``args.models``, or the one model), once their args are valid.
     """
 
     app: ServeApp
     problems: list[str] = field(default_factory=list)
-    args: AppArgs | None = None
-    engine: type[Engine] | None = None
-    plan: DeploymentPlan | None = None
+    models: list[CheckedModel] = field(default_factory=list)
+
+    @property
+    def planned(self) -> bool:
+        return bool(self.models) and not self.problems
 
 
-def load_args(app: ServeApp) -> tuple[AppArgs, type[Engine]]:
-    """A vramgate application's validated ``args:`` and its engine class, as ``serve run``
-    resolves them.
+def load_models(app: ServeApp) -> list[tuple[AppArgs, type[Engine]]]:
+    """A vramgate application's models (:func:`serve_app.app_config.parse_models`): each
+    one's validated args and engine class, as ``serve run`` resolves them.
 
     Raises:
         CliError: every invalid key, one line each, naming the file and application.
@@ -55,27 +68,48 @@ def load_args(app: ServeApp) -> tuple[AppArgs, type[Engine]]:
     from deployments.engines.registry import engine_class  # the engine module: when asked
 
     try:
-        args = parse_args(app.raw_args)
-        return args, engine_class(args)
+        models = parse_models(app.raw_args)
+        return [(args, engine_class(args)) for args in models]
     except ConfigError as exc:
         raise CliError(*config_problems(exc, app.where)) from None
 
 
+def load_args(app: ServeApp, model: str | None = None) -> tuple[AppArgs, type[Engine]]:
+    """One model of a vramgate application: the one named ``model``, or its only one.
+
+    Raises:
+        CliError: invalid args (:func:`load_models`), no model of that name, or several
+            models and no name.
+    """
+    models = load_models(app)
+    names = [args.model.name for args, _ in models]
+    if model is None and len(models) == 1:
+        return models[0]
+    found = [m for m in models if m[0].model.name == model]
+    if not found:
+        raise CliError(f"{app.where}: " + (
+            f"no model {model!r}; it serves {names}" if model is not None
+            else f"it serves {names}: name one with --model"))
+    return found[0]
+
+
 def check_application(app: ServeApp) -> CheckedApp:
     """Every problem of ``app``: Ray Serve's, then (for a vramgate application whose
-    ``args:`` is a mapping) its args', its engine's and its plan's."""
+    ``args:`` is a mapping) its args', its engines' and its plans'."""
     checked = CheckedApp(app, list(app.problems))
     if not app.is_vramgate or not isinstance(app.raw_args, dict):
         return checked
     try:
-        checked.args, checked.engine = load_args(app)
-        plan = plan_deployment(checked.args, checked.engine)
+        checked.models = [CheckedModel(args, engine) for args, engine in load_models(app)]
     except CliError as exc:
         checked.problems += exc.lines
-    except InsufficientMemoryError as exc:
-        checked.problems.append(f"{app.where}: insufficient memory: {exc}")
-    else:
-        checked.plan = plan if not checked.problems else None
+    for model in checked.models:
+        where = app.where + (f", model {model.args.model.name!r}"
+                             if len(checked.models) > 1 else "")
+        try:
+            model.plan = plan_deployment(model.args, model.engine)
+        except InsufficientMemoryError as exc:
+            checked.problems.append(f"{where}: insufficient memory: {exc}")
     return checked
 
 
@@ -103,10 +137,10 @@ def validate_command(options: argparse.Namespace) -> int:
 def ok_line(checked: CheckedApp) -> str:
     """What ``validate`` prints for a valid application."""
     app = checked.app
-    if checked.args is None:
+    if not checked.models:
         return (f"{app.where}: ok as a Ray Serve application (import_path "
                 f"{app.entry.get('import_path')!r} is not {IMPORT_PATH}: its args are not "
                 "checked)")
-    args = checked.args
-    return (f"{app.where}: ok ({args.model.engine_name} engine, model {args.model.name!r}, "
-            f"num_gpus {args.deployment.num_gpus:g} per replica)")
+    return f"{app.where}: ok (" + "; ".join(
+        f"{m.args.model.engine_name} engine, model {m.args.model.name!r}, num_gpus "
+        f"{m.args.deployment.num_gpus:g} per replica" for m in checked.models) + ")"

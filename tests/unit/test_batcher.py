@@ -44,7 +44,7 @@ PER_TOKEN_BYTES = 1000
 PAD_TO = 16
 MAX_INPUT_TOKENS = 64  # also the fake engine's context (max_seq_tokens)
 MAX_TOKENS = 62  # limits.max_tokens
-LABELS = {"deployment": "ModelServer", "replica": "test"}
+LABELS = {"deployment": "ModelServer", "replica": "test", "model": ""}
 
 
 def replica_args(max_batch_size: int = 8, max_wait_ms: float = 0.0,

@@ -13,6 +13,7 @@ import yaml
 
 from deployments.engines.registry import engine_class
 from serve_app.__main__ import main
+from serve_app.app_config import parse_models
 from serve_app.cli.plan import plan_lines
 from serve_app.cli.serve_config import APPLICATION_KEYS, TOP_LEVEL_KEYS
 from serve_app.config import parse_args
@@ -56,9 +57,9 @@ def test_the_shipped_configs_validate_without_importing_ray() -> None:
 
 
 def _engine_line(path: Path) -> str:
-    args = parse_args(yaml.safe_load(path.read_text())["applications"][0]["args"])
-    return (f"{args.model.engine_name} engine, model {args.model.name!r}, "
-            f"num_gpus {args.deployment.num_gpus:g} per replica")
+    models = parse_models(yaml.safe_load(path.read_text())["applications"][0]["args"])
+    return "; ".join(f"{args.model.engine_name} engine, model {args.model.name!r}, "
+                     f"num_gpus {args.deployment.num_gpus:g} per replica" for args in models)
 
 
 def test_a_broken_config_prints_every_problem_one_line_each(
@@ -188,3 +189,27 @@ def test_plan_uses_the_measurement_serve_run_cached(tmp_path: Path,
         args.memory.measurement_cache_dir).get(cached.key).describe()
     assert "cached measurement" in from_line and "on NVIDIA H200 at" in from_line
     assert "  recommended num_gpus: " in out  # the card's size is known from the measurement
+
+
+def test_plan_and_validate_show_every_model_of_an_app_and_how_they_pack(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    config = tmp_path / "three.yaml"
+    config.write_text(yaml.safe_dump({"applications": [{"name": "trio", "import_path": OURS,
+                                                        "args": {
+        "deployment": {"num_gpus": 0.5},
+        "models": [{"model": {"task": "fake", "name": name}}
+                   for name in ("embedder", "chat", "speech")]}}]}))
+    status, out, _ = run_main(capsys, "plan", str(config))
+    assert status == 0
+    titles = [line for line in out.splitlines() if line.startswith(str(config))]
+    assert titles == [f"{config}: application 'trio', model '{name}'"
+                      for name in ("embedder", "chat", "speech")]
+    assert out.splitlines()[-3:] == [
+        "  GPUs needed:          2   (each replica's num_gpus is a share of one card)",
+        "    GPU 0: embedder (0.5), chat (0.5)   (1 of 1)",
+        "    GPU 1: speech (0.5)   (0.5 of 1)"]
+    status, out, _ = run_main(capsys, "validate", str(config))
+    assert out.strip() == (
+        f"{config}: application 'trio': ok (fake engine, model 'embedder', num_gpus 0.5 per "
+        "replica; fake engine, model 'chat', num_gpus 0.5 per replica; fake engine, model "
+        "'speech', num_gpus 0.5 per replica)")

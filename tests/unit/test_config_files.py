@@ -9,6 +9,7 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from deployments.engines.registry import engine_class
+from serve_app.app_config import parse_models
 from serve_app.config import parse_args
 from serve_app.planning import plan_deployment
 
@@ -25,10 +26,10 @@ def test_config_is_valid_for_ray_and_for_us(path: Path) -> None:
     schema = ServeDeploySchema.model_validate(raw)
     for application in schema.applications:
         assert application.import_path == "serve_app.app:build_app"
-        args = parse_args(application.args)
-        plan = plan_deployment(args, engine_class(args))
-        assert plan.max_ongoing_requests >= 1
-        assert plan.num_gpus == args.deployment.num_gpus
+        for args in parse_models(application.args):
+            plan = plan_deployment(args, engine_class(args))
+            assert plan.max_ongoing_requests >= 1
+            assert plan.num_gpus == args.deployment.num_gpus
 
 
 def test_prod_uses_fractional_gpus() -> None:

@@ -4,6 +4,7 @@ with it): the ingress's own FastAPI app, built without Ray around a stand-in rep
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
@@ -11,7 +12,8 @@ from fastapi.testclient import TestClient
 from deployments.engines.registry import engine_class
 from deployments.ingress import Ingress
 from deployments.routes import ROUTES, RouteContext
-from serve_app.config import parse_args
+from deployments.served_models import ModelFront, ServedModels
+from serve_app.config import PACKAGED_NAME, parse_args
 from serve_app.metrics import ProcessMetrics
 
 
@@ -30,11 +32,13 @@ def ingress() -> Iterator[tuple[TestClient, StandInReplicas]]:
     args = parse_args({"model": {"task": "fake"}, "auth": {"api_key": "k"}})
     replica = object.__new__(Ingress.func_or_class)  # no Ray: the parts the routes read
     replicas = StandInReplicas()
-    replica._args, replica._engine, replica._replicas = args, engine_class(args), replicas
+    engine = engine_class(args)
+    replica._models = ServedModels()
+    context = RouteContext(args, None, None, None, None, replica._models)
+    routes = {R.path: R(context) for R in ROUTES if R.kind in engine.kinds}
+    replica._models.add(ModelFront(args, engine, None, replicas, None, routes, None))
+    replica._args, replica._jobs = args, None
     replica._metrics = ProcessMetrics("Ingress", "test", use_ray=False)
-    context = RouteContext(args, None, None, None)
-    replica._route_list = [R(context) for R in ROUTES if R.kind in replica._engine.kinds]
-    replica._jobs = None
     with TestClient(replica.__serve_build_asgi_app__()) as client:
         yield client, replicas
 
@@ -44,7 +48,7 @@ def test_head_probes_answer_as_get_without_a_body(ingress) -> None:
     for path in ("/healthz", "/readyz"):
         assert client.head(path).status_code == client.get(path).status_code
     assert client.head("/readyz").status_code == 503  # no model replica has measured yet
-    replicas.published.append(object())
+    replicas.published.append(SimpleNamespace(model=PACKAGED_NAME))
     for path, status in (("/healthz", 200), ("/readyz", 200), ("/v1/models", 401)):
         got, head = client.get(path), client.head(path)
         assert head.status_code == got.status_code == status

@@ -24,7 +24,8 @@ def test_names_carry_the_prefix_a_unit_and_bounded_labels(spec) -> None:
 
 
 def test_two_processes_merge_into_one_exposition_without_doubling() -> None:
-    replicas = [ProcessMetrics("ModelServer", f"r{i}", use_ray=False) for i in range(2)]
+    replicas = [ProcessMetrics("ModelServer", f"r{i}", use_ray=False, model="minilm")
+                for i in range(2)]
     ingress = ProcessMetrics("Ingress", "i0", use_ray=False)
     replicas[0].inc("admission_decisions", outcome="admitted", reason="at_once")
     replicas[1].inc("admission_decisions", 3, outcome="rejected", reason="queue_full")
@@ -45,7 +46,7 @@ def test_two_processes_merge_into_one_exposition_without_doubling() -> None:
               if s.name.endswith("_bucket")}
     assert bucket["0.0025"] == 0 and bucket["0.005"] == 1
     [budget] = families["vramgate_budget_bytes"].samples
-    assert budget.labels == {"deployment": "ModelServer", "replica": "r0"}
+    assert budget.labels == {"deployment": "ModelServer", "replica": "r0", "model": "minilm"}
     assert budget.value == 2**30
     [http] = families["vramgate_http_requests"].samples
     assert set(http.labels) == {*COMMON_LABELS, "route", "status"}
@@ -63,5 +64,21 @@ def test_zeroed_counters_are_exported_at_zero_from_the_start() -> None:
     metrics = ProcessMetrics("ModelServer", "r0", use_ray=False, zeroed=("ooms",))
     families = {f.name: f for f in text_string_to_metric_families(metrics.exposition())}
     [ooms] = families["vramgate_ooms"].samples
-    assert ooms.value == 0 and ooms.labels == {"deployment": "ModelServer", "replica": "r0"}
+    assert ooms.value == 0 and ooms.labels == {"deployment": "ModelServer", "replica": "r0",
+                                               "model": ""}
     assert families["vramgate_device_faults"].samples == []  # not asked for
+
+
+def test_an_ingress_records_each_model_apart_in_one_exposition() -> None:
+    ingress = ProcessMetrics("Ingress", "i0", use_ray=False)
+    ingress.for_model("chat").inc("admission_decisions", outcome="rejected",
+                                  reason="predicted_timeout")
+    ingress.for_model("minilm").inc("admission_decisions", 2, outcome="rejected",
+                                    reason="predicted_timeout")
+    ingress.inc("http_requests", route="/metrics", status="200")
+    families = {f.name: f for f in text_string_to_metric_families(ingress.exposition())}
+    assert sorted((s.labels["model"], s.value)
+                  for s in families["vramgate_admission_decisions"].samples) == [
+        ("chat", 1.0), ("minilm", 2.0)]
+    [http] = families["vramgate_http_requests"].samples
+    assert http.labels["model"] == "" and http.labels["replica"] == "i0"

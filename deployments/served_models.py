@@ -1,0 +1,167 @@
+"""The models one ingress serves: each model's parts (:class:`ModelFront`), and the choice of
+one by the request's ``model`` (:class:`ServedModels`).
+
+An app serves one model, or several (``args.models``, :mod:`serve_app.app_config`), each its
+own model deployment. The ingress keeps, per model, what pricing and sending a request needs
+(the engine's front end, the view of that model's replicas, the client of its deployment, its
+routes, its jobs) and installs each HTTP route once: a request goes to the routes of the
+model it names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ray.serve.handle import DeploymentHandle
+
+from deployments.engines.base import Engine, FrontEnd
+from deployments.engines.registry import engine_class
+from deployments.idempotency_guard import IdempotencyGuard
+from deployments.job_broker import open_job_store
+from deployments.jobs_http import JobsFront
+from deployments.model_client import ModelClient
+from deployments.replica_view import ReplicaView
+from deployments.request_factory import RequestFactory
+from deployments.routes import ROUTES, Route, RouteContext
+from serve_app.admission.policy import policy_class
+from serve_app.config import AppArgs, parse_args
+from serve_app.errors import InvalidRequestError, ModelNotFoundError
+from serve_app.metrics import ProcessMetrics
+from serve_app.replica_state import ReplicaState
+
+
+@dataclass(frozen=True)
+class ModelBinding:
+    """What ``build_app`` gives the ingress for one model: its args, the handle of its
+    model deployment and of its embedded job broker (``None``: ``jobs.redis_url`` or jobs
+    off)."""
+
+    args: AppArgs | dict[str, Any]
+    handle: DeploymentHandle
+    broker: DeploymentHandle | None = None
+
+
+@dataclass
+class ModelFront:
+    """One served model's parts in the ingress.
+
+    Attributes:
+        args: its validated args.
+        engine: its engine class.
+        front_end: its tokenizer and context (:meth:`Engine.front_end`).
+        replicas: the view of its replicas only.
+        client: sends requests to its model deployment.
+        routes: its inference routes, by path.
+        jobs: its durable jobs, or ``None`` (``jobs.enabled: false``).
+    """
+
+    args: AppArgs
+    engine: type[Engine]
+    front_end: FrontEnd
+    replicas: ReplicaView
+    client: ModelClient
+    routes: dict[str, Route]
+    jobs: JobsFront | None
+
+    @property
+    def name(self) -> str:
+        return self.args.model.name
+
+
+async def open_model_front(binding: ModelBinding, registry: DeploymentHandle,
+                           idempotency: DeploymentHandle, metrics: ProcessMetrics,
+                           served: ServedModels) -> ModelFront:
+    """Build one model's :class:`ModelFront` (loads its tokenizer; connects to its job store,
+    waiting for it: :func:`deployments.job_broker.open_job_store`) and add it to ``served``,
+    which its routes pick the request's model from.
+
+    Raises:
+        serve_app.config.ConfigError: its engine cannot be resolved.
+        redis.exceptions.ConnectionError: its job store does not answer.
+    """
+    args = parse_args(binding.args)
+    adm, metrics = args.admission, metrics.for_model(args.model.name)
+    replicas = ReplicaView(registry, policy_class(adm.policy),
+                           adm.max_queue_wait_s, model=args.model.name)
+    client = ModelClient(binding.handle, replicas, adm.max_queue_wait_s, metrics,
+                         args.deployment.max_replicas if args.deployment.autoscaling else None,
+                         adm.refuse_predicted_waits)
+    engine = engine_class(args)
+    front_end = await asyncio.to_thread(engine.front_end, args)
+    guard = IdempotencyGuard(idempotency, client,
+                             adm.max_queue_wait_s + adm.inference_timeout_s + 5, metrics)
+    routes: dict[str, Route] = {}
+    jobs = JobsFront(await open_job_store(args, binding.broker), routes, replicas) \
+        if args.jobs.enabled else None
+    context = RouteContext(args, RequestFactory(args, front_end), client, guard, jobs, served)
+    routes.update({route.path: route(context) for route in ROUTES
+                   if route.kind in engine.kinds})
+    front = ModelFront(args, engine, front_end, replicas, client, routes, jobs)
+    served.add(front)
+    return front
+
+
+class ServedModels:
+    """The models of one ingress, in config order; every route is the route of some model.
+
+    Args:
+        fronts: one per model (names unique: :func:`serve_app.app_config.parse_models`).
+    """
+
+    def __init__(self, fronts: Sequence[ModelFront] = ()) -> None:
+        self.fronts: list[ModelFront] = []
+        self.by_name: dict[str, ModelFront] = {}
+        for front in fronts:
+            self.add(front)
+
+    def add(self, front: ModelFront) -> None:
+        self.fronts.append(front)
+        self.by_name[front.name] = front
+
+    @property
+    def names(self) -> list[str]:
+        return [front.name for front in self.fronts]
+
+    def paths(self) -> list[str]:
+        """Every inference route's path, each once, in the order of :data:`ROUTES`."""
+        served = {path for front in self.fronts for path in front.routes}
+        return [route.path for route in ROUTES if route.path in served]
+
+    def installed_routes(self) -> list[Route]:
+        """One route per path (the first model's that serves it): the one FastAPI installs;
+        its :meth:`~deployments.routes.base.Route.dispatch` hands each request on to the
+        named model's."""
+        return [next(front.routes[path] for front in self.fronts if path in front.routes)
+                for path in self.paths()]
+
+    def route(self, path: str, requested: str | None) -> Route:
+        """The route at ``path`` of the model ``requested`` names; with no ``model``, of the
+        one model that serves ``path``.
+
+        Raises:
+            ModelNotFoundError: no served model of that name, or it does not serve ``path``
+                (404, naming what is served).
+            InvalidRequestError: no ``model`` while several models serve ``path`` (400).
+        """
+        serving = [front for front in self.fronts if path in front.routes]
+        if requested is None:
+            if len(serving) == 1:
+                return serving[0].routes[path]
+            raise InvalidRequestError(
+                f"model is required: {path} is served by {[f.name for f in serving]}",
+                code="model")
+        front = self.by_name.get(requested)
+        if front is None or path not in front.routes:
+            where = "is not served here" if front is None else f"does not serve {path}"
+            raise ModelNotFoundError(
+                f"model {requested!r} {where}; {path} is served by "
+                f"{[f.name for f in serving]} (GET /v1/models lists every model)")
+        return front.routes[path]
+
+    async def states(self) -> list[ReplicaState]:
+        """Every live model replica of every served model."""
+        views = await asyncio.gather(*(front.replicas.states() for front in self.fronts))
+        return [state for states in views for state in states]

@@ -1,0 +1,104 @@
+"""Several models in one app (``args.models``), over HTTP on local Ray Serve.
+
+Three fake models at ``num_gpus: 0.5`` are placed on the session's two declared GPUs, each
+replica budgeting at most its share; a request goes to the model its ``model`` names; every
+metric carries the model. Then the packaged MiniLM and a tiny causal LM are served by one app
+and the official ``openai`` client calls both through one base URL, their answers checked
+against ``SentenceTransformer.encode`` and the chat route's own reference path."""
+
+from __future__ import annotations
+
+import collections
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from sentence_transformers import SentenceTransformer
+
+from serve_app.config import PACKAGED_NAME, parse_args
+from tests.model_dirs import build_causal_lm
+from tests.support import settled_scrape, total
+
+CARD_BYTES = 16 << 30
+NAMES = ("embedder", "chat", "speech")
+
+
+def _fake_models() -> dict:
+    return {
+        "fake": {"device_capacity_bytes": CARD_BYTES, "weights_bytes": 1 << 30,
+                 "latency_per_token_s": 0.0},
+        "limits": {"max_inputs": 4, "max_input_tokens": 64, "max_tokens": 16},
+        "deployment": {"num_gpus": 0.5, "num_cpus": 0},
+        "models": [{"model": {"task": "fake", "name": name}} for name in NAMES],
+    }
+
+
+def test_three_half_gpu_models_share_two_cards_and_answer_by_name(deploy):
+    app = deploy(_fake_models())
+    replicas = app.check_invariants()
+    assert sorted(r["model"] for r in replicas) == sorted(NAMES)
+    per_card = collections.defaultdict(int)
+    for replica in replicas:
+        assert replica["num_gpus"] == 0.5 and len(replica["gpu_ids"]) == 1
+        assert replica["capacity_bytes"] == CARD_BYTES // 2
+        assert replica["budget_bytes"] <= CARD_BYTES // 2 - replica["held_bytes"]
+        per_card[replica["gpu_ids"][0]] += replica["budget_bytes"] + replica["held_bytes"]
+    print(f"\nheld + budget per card: {dict(per_card)} (card {CARD_BYTES})")
+    assert len(per_card) == 2 and all(total <= CARD_BYTES for total in per_card.values())
+    with httpx.Client(base_url=app.base_url, timeout=30) as http:
+        listed = [m["id"] for m in http.get("/v1/models").json()["data"]]
+        sent = {"embedder": 1, "chat": 3, "speech": 1}
+        answered = {name: [http.post("/v1/embeddings", json={"model": name, "input": ["a b"]})
+                           for _ in range(count)] for name, count in sent.items()}
+        unknown = http.post("/v1/embeddings", json={"model": "nope", "input": "a"})
+        unnamed = http.post("/v1/embeddings", json={"input": "a"})
+        status = http.get("/v1/status").json()
+    assert listed == list(NAMES)
+    assert {name: [(r.status_code, r.json()["model"]) for r in responses]
+            for name, responses in answered.items()} == {
+        name: [(200, name)] * count for name, count in sent.items()}
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+    assert "['embedder', 'chat', 'speech']" in unknown.json()["error"]["message"]
+    assert unnamed.status_code == 400 and unnamed.json()["error"]["code"] == "model"
+    assert [m["model"] for m in status["models"]] == list(NAMES) and "model" not in status
+    # Each model's series apart: the chat model's replica admitted its three requests.
+    def admitted(samples: dict) -> dict[str, float]:
+        return {name: total(samples, "vramgate_admission_decisions_total",
+                            outcome="admitted", model=name) for name in NAMES}
+
+    samples = settled_scrape(app.base_url, admitted)
+    assert admitted(samples) == {name: float(count) for name, count in sent.items()}
+    assert total(samples, "vramgate_http_requests_total", route="/v1/embeddings",
+                 status="200", model="chat") == 3.0
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    return build_causal_lm(tmp_path_factory.mktemp("multi") / "tiny-chat", "llama3")
+
+
+def test_the_openai_client_calls_an_embedder_and_a_chat_model_through_one_url(
+        deploy, chat_dir):
+    app = deploy({"limits": {"max_input_tokens": 64, "max_tokens": 8},
+                  "models": [{"model": {"task": "embed", "device": "cpu"}},
+                             {"model": {"task": "generate", "name": "tiny-chat",
+                                        "path": str(chat_dir), "device": "cpu"}}]})
+    client = openai.OpenAI(base_url=f"{app.base_url}/v1", api_key="unused", max_retries=0)
+    texts = ["the quick brown fox", "memory is the limit"]
+    embedded = client.embeddings.create(model=PACKAGED_NAME, input=texts)
+    reference = SentenceTransformer(str(parse_args({}).model.resolved_path()), device="cpu")
+    expected = reference.encode(texts, normalize_embeddings=True)
+    got = np.array([d.embedding for d in embedded.data])
+    print(f"\nlargest |served - SentenceTransformer.encode|: {np.abs(got - expected).max():.2e}")
+    assert np.allclose(got, expected, atol=1e-5)
+    completion = client.completions.create(model="tiny-chat", prompt="the quick brown fox",
+                                           max_tokens=6, temperature=0)
+    again = client.completions.create(model="tiny-chat", prompt="the quick brown fox",
+                                      max_tokens=6, temperature=0)
+    assert completion.model == "tiny-chat" and completion.usage.completion_tokens == 6
+    assert completion.choices[0].text == again.choices[0].text  # greedy: one answer
+    with pytest.raises(openai.NotFoundError, match="does not serve /v1/completions"):
+        client.completions.create(model=PACKAGED_NAME, prompt="x", max_tokens=1)
+    assert [m.id for m in client.models.list()] == [PACKAGED_NAME, "tiny-chat"]
+    app.check_invariants()
