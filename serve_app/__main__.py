@@ -83,12 +83,16 @@ def _parser() -> argparse.ArgumentParser:
         description="Check every application of each serve run config as Ray Serve and "
         "vramgate would (without starting or importing Ray) and print every problem, one "
         "line each (file, application, key, message); exit status 1 if any.")
-    _configs_command(
+    plan = _configs_command(
         commands, "plan", plan_command,
         help="what each model replica will get, and from which measurement",
         description="For each vramgate application of each config, print what a model "
         "replica gets: num_gpus, budget bytes, max_ongoing_requests, max_queued_requests, "
-        "the P95 request's bytes, and the measurement or estimate they come from.")
+        "the P95 request's bytes, and the measurement or estimate they come from; and how "
+        "the models' GPU shares pack onto cards.")
+    plan.add_argument("--gpus", type=int, default=None, metavar="N",
+                      help="the GPUs of the cluster it will run on: refuse (exit status 1) "
+                      "an application whose replicas cannot all be placed on N cards")
     profile = commands.add_parser(
         "profile", help="measure a model's memory and recommend deployment options",
         description="Load the model of a serve config's application in this process (no "
@@ -108,12 +112,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _configs_command(commands: Any, name: str, command: Callable[[argparse.Namespace], int],
-                     **text: str) -> None:
+                     **text: str) -> argparse.ArgumentParser:
     """A command over one or more config files (``vramgate NAME CONFIG...``)."""
     parser = commands.add_parser(name, **text)
     parser.add_argument("configs", nargs="+", type=Path, metavar="CONFIG",
                         help="serve run config YAML, e.g. configs/*.yaml")
     parser.set_defaults(command=command)
+    return parser
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from deployments.router import ROUTER_CLASS_PATH
 from deployments.served_models import ModelBinding
 from serve_app.app_config import parse_models
 from serve_app.config import AppArgs
-from serve_app.placement import gpu_placement_problem, packing_problem
+from serve_app.placement import cluster_cards, gpu_placement_problem, packing_problem
 from serve_app.planning import DeploymentPlan, plan_deployment
 
 logger = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ def _placeable(models: list[AppArgs]) -> list[AppArgs]:
         for cfg in models:
             if problem := gpu_placement_problem(cfg, nodes):
                 raise DeploymentRefused(problem)
-        if problem := packing_problem(models, nodes):
+        if problem := packing_problem(models, cluster_cards(nodes)):
             raise DeploymentRefused(problem)
     return models
 

@@ -61,21 +61,25 @@ def gpu_packing(models: list[AppArgs], gpus: int | None = None,
     return cards, left
 
 
-def packing_problem(models: list[AppArgs], nodes: list[dict[str, Any]]) -> str | None:
-    """Why the GPU shares of all ``models``' replicas cannot be placed at once on the GPUs
-    of ``nodes`` (``ray.nodes()``; cards of one node pooled with every other's, which is
-    what matters to a share of one card), or ``None`` (they can, no model needs a GPU, or
-    one waits for GPU nodes: ``deployment.wait_for_gpus``)."""
+def cluster_cards(nodes: list[dict[str, Any]]) -> int:
+    """Whole GPU cards of the live ``nodes`` (``ray.nodes()``)."""
+    return sum(int(float(n.get("Resources", {}).get("GPU", 0.0)))
+               for n in nodes if n.get("Alive"))
+
+
+def packing_problem(models: list[AppArgs], cards: int) -> str | None:
+    """Why the GPU shares of all ``models``' replicas cannot be placed at once on ``cards``
+    GPUs (of any nodes: a share is of one card, so cards of one node pool with every
+    other's), or ``None`` (they can, no model needs a GPU, or one waits for GPU nodes:
+    ``deployment.wait_for_gpus``)."""
     if any(m.deployment.wait_for_gpus for m in models):
         return None
-    cards = sum(int(float(n.get("Resources", {}).get("GPU", 0.0)))
-                for n in nodes if n.get("Alive"))
     _, left = gpu_packing(models, cards)
     if not left:
         return None
     needed = len(gpu_packing(models)[0])
     return (f"the models' replicas need {needed} GPUs (their num_gpus shares packed onto "
-            f"whole cards: vramgate plan shows how), but this Ray cluster has {cards}; "
+            f"whole cards: vramgate plan shows how), but the cluster has {cards}; "
             f"left over: {', '.join(f'{name} ({share:g})' for name, share in left)}. Add "
             "GPUs, lower deployment.num_gpus or num_replicas, or set "
             "deployment.wait_for_gpus: true to wait for GPU nodes to join")

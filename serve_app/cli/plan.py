@@ -25,7 +25,7 @@ from serve_app.measurement import (
     measurement_key,
 )
 from serve_app.memory.budget import InsufficientMemoryError
-from serve_app.placement import gpu_packing
+from serve_app.placement import gpu_packing, packing_problem
 from serve_app.planning import (
     MAX_ONGOING_REQUESTS_CAP,
     DeploymentPlan,
@@ -54,14 +54,15 @@ def plan_command(options: argparse.Namespace) -> int:
             print_error(line)
         failed = failed or bool(problems)
         for c in planned if not problems else []:
-            failed = not _print_plan(c) or failed
+            failed = not _print_plan(c, getattr(options, "gpus", None)) or failed
     return EXIT_FAILED if failed else EXIT_OK
 
 
-def _print_plan(checked: CheckedApp) -> bool:
+def _print_plan(checked: CheckedApp, gpus: int | None = None) -> bool:
     """Print the plan of each model of a valid vramgate application (from the measurement
     ``serve run`` made, when it is cached here) and, for GPU models, how their shares pack
-    onto cards; ``False`` when a measurement leaves no budget."""
+    onto cards; ``False`` when a measurement leaves no budget, or the replicas cannot all be
+    placed on ``gpus`` cards (``None``: not checked)."""
     app, several = checked.app, len(checked.models) > 1
     lines: list[str] = []
     for model in checked.models:
@@ -78,8 +79,12 @@ def _print_plan(checked: CheckedApp) -> bool:
             lines.append("  (not measured yet: serve run measures the model on the cluster "
                          "with one replica's resources before deploying it, and plans from "
                          "that)")
-    lines += packing_lines([m.args for m in checked.models])
+    models = [m.args for m in checked.models]
+    lines += packing_lines(models)
     print("\n".join(lines))
+    if gpus is not None and (problem := packing_problem(models, gpus)):
+        print_error(f"{app.where}: {problem}")
+        return False
     return True
 
 

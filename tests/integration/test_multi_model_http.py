@@ -16,6 +16,8 @@ import openai
 import pytest
 from sentence_transformers import SentenceTransformer
 
+from deployments.fail_fast import DeploymentRefused
+from serve_app.app import build_app
 from serve_app.config import PACKAGED_NAME, parse_args
 from tests.model_dirs import build_causal_lm
 from tests.support import settled_scrape, total
@@ -32,6 +34,14 @@ def _fake_models() -> dict:
         "deployment": {"num_gpus": 0.5, "num_cpus": 0},
         "models": [{"model": {"task": "fake", "name": name}} for name in NAMES],
     }
+
+
+def test_models_whose_gpu_shares_cannot_all_be_placed_are_refused_at_once(serve_base_url):
+    # The session's Ray declares 2 GPUs: five halves need three cards.
+    args = {**_fake_models(), "models": [{"model": {"task": "fake", "name": f"m{i}"}}
+                                         for i in range(5)]}
+    with pytest.raises(DeploymentRefused, match="need 3 GPUs .* the cluster has 2; left over: m4 "):
+        build_app(args)
 
 
 def test_three_half_gpu_models_share_two_cards_and_answer_by_name(deploy):

@@ -13,21 +13,26 @@ import httpx
 
 from tests.support import MiB, fake_app_args
 
+BURST_DEADLINE_S = 120.0
+
 
 def _replicas(base_url: str) -> list[dict]:
     return httpx.get(f"{base_url}/v1/status", timeout=10).json()["replicas"]
 
 
-async def _burst(base_url: str, clients: int, seconds: float, rng: random.Random) -> Counter:
-    """``clients`` concurrent clients sending mixed sizes for ``seconds``; a 503 waits its
-    ``Retry-After`` (capped at 1 s) and retries, as a well-behaved client does."""
+async def _burst(base_url: str, clients: int, seconds: float, rng: random.Random,
+                 stop: asyncio.Event | None = None) -> Counter:
+    """``clients`` concurrent clients sending mixed sizes for ``seconds`` (or until ``stop``
+    is set); a 503 waits its ``Retry-After`` (capped at 1 s) and retries, as a well-behaved
+    client does."""
     outcomes: Counter = Counter()
     stop_at = time.monotonic() + seconds
+    stop = stop or asyncio.Event()
     async with httpx.AsyncClient(base_url=base_url, timeout=60,
                                  limits=httpx.Limits(max_connections=clients)) as http:
 
         async def client() -> None:
-            while time.monotonic() < stop_at:
+            while time.monotonic() < stop_at and not stop.is_set():
                 body = {"input": [" ".join(["w"] * rng.randint(1, 14))
                                   for _ in range(rng.randint(1, 4))]}
                 response = await http.post("/v1/embeddings", json=body)
@@ -72,7 +77,11 @@ async def test_a_burst_scales_one_replica_to_three_and_idle_brings_it_back(deplo
         admission={"max_queue_len": 16, "max_queue_wait_s": 5}))
     assert len(_replicas(app.base_url)) == 1
     started = time.monotonic()
-    burst = asyncio.create_task(_burst(app.base_url, 40, 25.0, random.Random(9)))
+    # The burst lasts until the third replica serves (starting one takes tens of seconds on
+    # a loaded 2-core machine), at most BURST_DEADLINE_S.
+    scaled_up = asyncio.Event()
+    burst = asyncio.create_task(_burst(app.base_url, 40, BURST_DEADLINE_S, random.Random(9),
+                                       scaled_up))
     peak, scaled_up_s = 1, None
     while not burst.done():
         await asyncio.sleep(0.5)
@@ -81,6 +90,7 @@ async def test_a_burst_scales_one_replica_to_three_and_idle_brings_it_back(deplo
             peak = count
         if count == 3 and scaled_up_s is None:
             scaled_up_s = time.monotonic() - started
+            scaled_up.set()
     outcomes = await burst
     idle_from = time.monotonic()
     while len(_replicas(app.base_url)) > 1 and time.monotonic() - idle_from < 90:

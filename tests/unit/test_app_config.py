@@ -8,7 +8,7 @@ import pytest
 from serve_app.app_config import parse_models
 from serve_app.cli.plan import packing_lines
 from serve_app.config import ConfigError
-from serve_app.placement import gpu_packing, packing_problem
+from serve_app.placement import cluster_cards, gpu_packing, packing_problem
 
 THREE_HALVES = {
     "limits": {"max_input_tokens": 64, "max_tokens": 32},
@@ -71,9 +71,9 @@ def test_three_half_gpu_models_pack_onto_two_cards() -> None:
     models = parse_models(THREE_HALVES)
     cards, left = gpu_packing(models)
     assert cards == [[("embedder", 0.5), ("chat", 0.5)], [("speech", 0.5)]] and left == []
-    assert packing_problem(models, _nodes(2)) is None
-    assert packing_problem(models, _nodes(1, 1)) is None  # a card on each of two nodes
-    problem = packing_problem(models, _nodes(1))
+    assert packing_problem(models, cluster_cards(_nodes(2))) is None
+    assert cluster_cards(_nodes(1, 1)) == 2  # a card on each of two nodes
+    problem = packing_problem(models, cluster_cards(_nodes(1)))
     assert problem is not None and "need 2 GPUs" in problem and "has 1" in problem
     assert "left over: speech (0.5)" in problem
     assert packing_lines(models) == [
@@ -92,4 +92,4 @@ def test_shares_larger_than_half_do_not_share_a_card_and_cpu_models_take_none() 
     cards, _ = gpu_packing(parse_models(raw))
     assert cards == [[("big", 0.6), ("small", 0.4)], [("big", 0.6)]]
     waiting = {**raw, "deployment": {"wait_for_gpus": True}}
-    assert packing_problem(parse_models(waiting), _nodes()) is None
+    assert packing_problem(parse_models(waiting), cluster_cards(_nodes())) is None

@@ -208,6 +208,11 @@ def test_plan_and_validate_show_every_model_of_an_app_and_how_they_pack(
         "  GPUs needed:          2   (each replica's num_gpus is a share of one card)",
         "    GPU 0: embedder (0.5), chat (0.5)   (1 of 1)",
         "    GPU 1: speech (0.5)   (0.5 of 1)"]
+    assert main(["plan", "--gpus", "2", str(config)]) == 0
+    assert main(["plan", "--gpus", "1", str(config)]) == 1
+    refused = capsys.readouterr().err
+    assert refused.startswith(f"vramgate: {config}: application 'trio': the models' replicas "
+                              "need 2 GPUs") and "left over: speech (0.5)" in refused
     status, out, _ = run_main(capsys, "validate", str(config))
     assert out.strip() == (
         f"{config}: application 'trio': ok (fake engine, model 'embedder', num_gpus 0.5 per "
