@@ -103,8 +103,9 @@ def report(name: str, config_path: Path, args: AppArgs, measured: MeasuredReplic
            plan: DeploymentPlan, out: Path) -> str:
     """The text printed to stdout after a measurement."""
     profile, mem, largest = measured.profile, args.memory, measured.largest
-    p95 = " or ".join(shape_text(s) for s in p95_request_shapes(args,
-                                                                measured.engine_class.kinds))
+    axes = profile.shape_axes
+    p95 = " or ".join(shape_text(s, axes) for s in p95_request_shapes(
+        args, measured.engine_class.kinds))
     lines = [
         f"vramgate profile of application {name!r} in {config_path}",
         f"device:   {profile.device}",
@@ -115,7 +116,8 @@ def report(name: str, config_path: Path, args: AppArgs, measured: MeasuredReplic
         f"budget:   {bytes_text(measured.budget_bytes)}   " + (
             "(memory.budget_bytes)" if mem.budget_bytes is not None
             else f"((capacity - held - reserve) x safety_factor {mem.safety_factor:g})"),
-        f"largest request ({shape_text(largest)}): {bytes_text(measured.max_request_bytes)}",
+        f"shape axes: {', '.join(axes)}",
+        f"largest request ({shape_text(largest, axes)}): {bytes_text(measured.max_request_bytes)}",
         f"P95 request ({p95}): {bytes_text(plan.request_bytes)}",
         f"profiled in {profile.duration_s:.1f} s",
         "",
