@@ -160,6 +160,74 @@ def build_tiny_causal_lm(path: Path, num_layers: int = 2, max_positions: int = 5
     return path
 
 
+
+WHISPER_LANGUAGES = ("en", "fr")
+
+
+def build_tiny_whisper(path: Path, d_model: int = 64, num_layers: int = 2,
+                       max_target_positions: int = 24) -> Path:
+    """Save a small random-weight Whisper to ``path``: ``WhisperConfig`` (80 mel bins, 30 s
+    windows of 1500 encoder positions, as every Whisper), a ``WhisperFeatureExtractor``, a
+    byte-level BPE ``WhisperTokenizer`` over the 256 byte symbols with Whisper's special
+    tokens (``<|startoftranscript|>``, languages :data:`WHISPER_LANGUAGES`, tasks,
+    ``<|startofprev|>``, ``<|notimestamps|>``) and its 1501 timestamp tokens
+    ``<|0.00|>`` .. ``<|30.00|>``, and a generation config with the ids transformers'
+    long-form ``generate`` reads (``no_timestamps_token_id``, ``lang_to_id``,
+    ``task_to_id``, ``prev_sot_token_id``, ``max_initial_timestamp_index``). Built offline in
+    a few seconds. Random weights, but the decoder's last layer norm carries a constant
+    component that the 256 byte tokens' (tied) output rows align with and the special and
+    timestamp tokens' oppose: the model writes text (random bytes, often invalid UTF-8)
+    until ``max_target_positions``, never a closing timestamp, so long-form ``generate``
+    advances one whole 30 s window per call, which keeps CPU tests fast."""
+    import torch
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import (
+        GenerationConfig,
+        WhisperConfig,
+        WhisperFeatureExtractor,
+        WhisperForConditionalGeneration,
+        WhisperProcessor,
+        WhisperTokenizer,
+    )
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = {symbol: i for i, symbol in enumerate(sorted(ByteLevel.alphabet()))}
+    specials = ["<|endoftext|>", "<|startoftranscript|>",
+                *[f"<|{code}|>" for code in WHISPER_LANGUAGES], "<|translate|>",
+                "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nospeech|>",
+                "<|notimestamps|>"]
+    timestamps = [f"<|{i * 0.02:.2f}|>" for i in range(1501)]
+    for token in specials + timestamps:
+        vocab[token] = len(vocab)
+    ids = {token: vocab[token] for token in specials}
+    tokenizer = WhisperTokenizer(vocab=vocab, merges=[], additional_special_tokens=specials[1:])
+    WhisperProcessor(feature_extractor=WhisperFeatureExtractor(feature_size=80),
+                     tokenizer=tokenizer).save_pretrained(str(path))
+    end, start = ids["<|endoftext|>"], ids["<|startoftranscript|>"]
+    config = WhisperConfig(
+        vocab_size=len(vocab), num_mel_bins=80, d_model=d_model, encoder_layers=num_layers,
+        decoder_layers=num_layers, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=2 * d_model, decoder_ffn_dim=2 * d_model, max_source_positions=1500,
+        max_target_positions=max_target_positions, pad_token_id=end, bos_token_id=end,
+        eos_token_id=end, decoder_start_token_id=start, begin_suppress_tokens=None,
+        suppress_tokens=None)
+    torch.manual_seed(0)
+    model = WhisperForConditionalGeneration(config)
+    with torch.no_grad():  # text tokens outscore timestamps and ends (see the docstring)
+        model.model.decoder.layer_norm.bias[0] = 8.0
+        model.model.decoder.embed_tokens.weight[:, 0] = -1.0
+        model.model.decoder.embed_tokens.weight[:256, 0] = 1.0
+    model.generation_config = GenerationConfig(
+        decoder_start_token_id=start, eos_token_id=end, pad_token_id=end, bos_token_id=end,
+        max_length=max_target_positions, no_timestamps_token_id=ids["<|notimestamps|>"],
+        prev_sot_token_id=ids["<|startofprev|>"], is_multilingual=True,
+        lang_to_id={f"<|{code}|>": ids[f"<|{code}|>"] for code in WHISPER_LANGUAGES},
+        task_to_id={"transcribe": ids["<|transcribe|>"], "translate": ids["<|translate|>"]},
+        max_initial_timestamp_index=50, begin_suppress_tokens=[end], suppress_tokens=[])
+    model.save_pretrained(str(path))
+    return path
+
+
 MiB = 1 << 20
 
 
