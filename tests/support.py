@@ -228,6 +228,37 @@ def build_tiny_whisper(path: Path, d_model: int = 64, num_layers: int = 2,
     return path
 
 
+def tone(seconds: float, frequency_hz: float, rate_hz: int = 16_000,
+         channels: int = 1) -> Any:
+    """A tone with a little noise (fixed seed), float32 in [-1, 1]; ``(samples,)`` or
+    ``(samples, channels)``."""
+    import numpy as np
+
+    t = np.arange(int(seconds * rate_hz)) / rate_hz
+    noise = np.random.default_rng(int(frequency_hz)).standard_normal(t.size)
+    wave = (0.3 * np.sin(2 * np.pi * frequency_hz * t) + 0.01 * noise).astype(np.float32)
+    return wave if channels == 1 else np.stack([wave] * channels, axis=1)
+
+
+def whisper_reference(path: Path, audio: Any, language: str | None) -> str:
+    """transformers alone: the processor's features (long-form: unpadded past 30 s, with
+    the attention mask), ``generate`` with timestamps, ``batch_decode``."""
+    import torch
+    from transformers import WhisperForConditionalGeneration, WhisperProcessor
+
+    processor = WhisperProcessor.from_pretrained(str(path))
+    model = WhisperForConditionalGeneration.from_pretrained(str(path)).eval()
+    long = len(audio) > 30 * 16_000
+    features = processor(audio, sampling_rate=16_000, return_tensors="pt", truncation=False,
+                         padding="longest" if long else "max_length",
+                         return_attention_mask=True)
+    with torch.inference_mode():
+        ids = model.generate(features.input_features, attention_mask=features.attention_mask,
+                             language=language, task="transcribe",
+                             return_timestamps=True)
+    return processor.batch_decode(ids, skip_special_tokens=True)[0]
+
+
 MiB = 1 << 20
 
 

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import soundfile
 import soxr
-import torch
 from fastapi.testclient import TestClient
 
 from deployments.engines.audio import decode_audio
@@ -28,19 +27,9 @@ from serve_app.kinds import KINDS, audio_frames
 from serve_app.memory.cost_model import Shape
 from serve_app.metrics import ProcessMetrics
 from serve_app.request import InferenceRequest, TranscriptionParams
-from tests.support import WHISPER_LANGUAGES, build_tiny_whisper
+from tests.support import WHISPER_LANGUAGES, build_tiny_whisper, tone, whisper_reference
 
 RATE_HZ = 16_000
-
-
-def tone(seconds: float, frequency_hz: float, rate_hz: int = RATE_HZ,
-         channels: int = 1) -> np.ndarray:
-    """A tone with a little noise (fixed seed), float32 in [-1, 1]; ``(samples,)`` or
-    ``(samples, channels)``."""
-    t = np.arange(int(seconds * rate_hz)) / rate_hz
-    noise = np.random.default_rng(int(frequency_hz)).standard_normal(t.size)
-    wave = (0.3 * np.sin(2 * np.pi * frequency_hz * t) + 0.01 * noise).astype(np.float32)
-    return wave if channels == 1 else np.stack([wave] * channels, axis=1)
 
 
 AUDIO = {"5s": tone(5, 440), "17s": tone(17, 1300), "45s": tone(45, 220),
@@ -62,28 +51,11 @@ def request_of(audio: np.ndarray, language: str | None = "en") -> InferenceReque
     return InferenceRequest("transcribe", ((),), Shape(1, audio_frames(len(audio)), 0), params)
 
 
-@torch.inference_mode()
-def reference(engine: TranscribeEngine, audio: np.ndarray, language: str | None) -> str:
-    """transformers alone: the processor's features (long-form: unpadded past 30 s, with
-    the attention mask), ``generate`` with timestamps, ``batch_decode``."""
-    from transformers import WhisperForConditionalGeneration, WhisperProcessor
-
-    processor = WhisperProcessor.from_pretrained(str(engine.path))
-    model = WhisperForConditionalGeneration.from_pretrained(str(engine.path)).eval()
-    long = len(audio) > 30 * RATE_HZ
-    features = processor(audio, sampling_rate=RATE_HZ, return_tensors="pt", truncation=False,
-                         padding="longest" if long else "max_length",
-                         return_attention_mask=True)
-    ids = model.generate(features.input_features, attention_mask=features.attention_mask,
-                         language=language, task="transcribe", return_timestamps=True)
-    return processor.batch_decode(ids, skip_special_tokens=True)[0]
-
-
 @pytest.mark.parametrize("name", ["5s", "17s", "45s", "62s"])
 def test_a_transcript_is_what_generate_and_batch_decode_give(engine, name) -> None:
     audio = AUDIO[name]
     [output] = engine.run_transcribe([request_of(audio)])
-    assert output.text == reference(engine, audio, "en")
+    assert output.text == whisper_reference(engine.path, audio, "en")
     assert output.text  # the tiny model writes text (tests/support.py: build_tiny_whisper)
     assert output.language == "en"
     assert output.duration_s == pytest.approx(len(audio) / RATE_HZ)
@@ -97,7 +69,7 @@ def test_a_detected_language_is_generate_s_own(engine) -> None:
     audio = AUDIO["17s"]
     [output] = engine.run_transcribe([request_of(audio, language=None)])
     assert output.language in WHISPER_LANGUAGES
-    assert output.text == reference(engine, audio, None)
+    assert output.text == whisper_reference(engine.path, audio, None)
 
 
 def test_a_batch_gives_each_file_what_it_gets_alone(engine) -> None:
