@@ -110,7 +110,8 @@ def plan_lines(title: str, args: AppArgs, engine: EngineSpec,
     replicas = (f"{dep.num_replicas} initially, autoscaled {dep.min_replicas or 1} .. "
                 f"{dep.max_replicas} on the admission queue" if dep.autoscaling
                 else str(dep.num_replicas))
-    p95 = " or ".join(shape_text(s) for s in p95_request_shapes(args, engine.kinds))
+    p95 = " or ".join(shape_text(s, getattr(engine, "shape_axes", TOKEN_AXES))
+                     for s in p95_request_shapes(args, engine.kinds))
     lines = [
         title,
         f"  model:                {args.model.name} ({args.model.engine_name} engine, on "
