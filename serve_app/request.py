@@ -179,11 +179,13 @@ class GenerationOutput:
 
 @dataclass(frozen=True)
 class TranscriptionSegment:
-    """One piece of a transcript: its start and end in the audio (seconds) and its text."""
+    """One piece of a transcript: its start and end in the audio (seconds), its text and
+    its token ids (timestamps included, as Whisper wrote them)."""
 
     start_s: float
     end_s: float
     text: str
+    tokens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -225,7 +225,8 @@ class TranscribeEngine(Engine):
         duration_s = params.duration_s
         pieces = tuple(TranscriptionSegment(
             min(float(s["start"]), duration_s), min(float(s["end"]), duration_s),
-            decode(s["tokens"], skip_special_tokens=True)) for s in segments)
+            decode(s["tokens"], skip_special_tokens=True),
+            tuple(int(t) for t in s["tokens"])) for s in segments)
         return TranscriptionOutput("".join(p.text for p in pieces), language, duration_s,
                                    pieces)
 

@@ -7,6 +7,7 @@ OpenAI answers: ``json`` -> ``{"text"}``, ``text`` -> the text as ``text/plain``
 # No `from __future__ import annotations` here: FastAPI reads the route signatures at run time.
 import hashlib
 import json
+import math
 from dataclasses import replace
 from functools import partial
 from typing import Annotated, Any
@@ -23,6 +24,7 @@ from serve_app.request import TranscriptionOutput
 from serve_app.schemas import InferenceResult
 
 RESPONSE_FORMATS = ("json", "text", "verbose_json")
+WINDOW_S = 30  # Whisper's window (Radford et al. 2022, sec. 2.2): a segment's seek
 AUDIO = "The audio file: WAV, FLAC, MP3, OGG, ... (at most `limits.max_audio_bytes`, and " \
     "`limits.max_audio_s` long)."
 LANGUAGE = "ISO-639-1 code of the spoken language (e.g. `en`); absent: detected."
@@ -42,17 +44,31 @@ class TranscriptionForm(BaseModel):
     _data: bytes = PrivateAttr(default=b"")
 
 
+class DurationUsage(BaseModel):
+    """OpenAI's usage of audio models billed by duration (whole seconds)."""
+
+    type: str = "duration"
+    seconds: int
+
+
 class TranscriptionResponse(BaseModel):
     """``response_format: json``."""
 
     text: str
+    usage: DurationUsage
 
 
 class TranscriptionSegmentBody(BaseModel):
+    """One segment: ``seek`` its window's start in 10 ms frames, ``start``/``end`` in
+    seconds, ``tokens`` Whisper's ids (timestamps included)."""
+
     id: int
+    seek: int
     start: float
     end: float
     text: str
+    tokens: list[int]
+    temperature: float
 
 
 class VerboseTranscriptionResponse(BaseModel):
@@ -64,6 +80,7 @@ class VerboseTranscriptionResponse(BaseModel):
     duration: float
     text: str
     segments: list[TranscriptionSegmentBody]
+    usage: DurationUsage
 
 
 class TranscriptionsRoute(Route):
@@ -127,16 +144,20 @@ class TranscriptionsRoute(Route):
         inference = await self.context.factory.build_transcription(
             self.kind, body._data, body.prompt, body.language, body.temperature,
             body.response_format)
-        return Prepared(inference, partial(_render, body.response_format))
+        return Prepared(inference, partial(_render, body))
 
 
-def _render(response_format: str, result: InferenceResult) -> dict[str, Any]:
-    """The JSON body of ``json`` / ``text`` (``{"text"}``) or ``verbose_json``."""
+def _render(body: TranscriptionForm, result: InferenceResult) -> dict[str, Any]:
+    """The JSON body of ``json`` / ``text`` (``{"text", "usage"}``; ``text`` is sent as its
+    text alone) or ``verbose_json``."""
     output: TranscriptionOutput = result.output
-    if response_format != "verbose_json":
-        return {"text": output.text}
-    segments = [{"id": i, "start": round(s.start_s, 2), "end": round(s.end_s, 2),
-                 "text": s.text} for i, s in enumerate(output.segments)]
+    usage = {"type": "duration", "seconds": math.ceil(output.duration_s)}
+    if body.response_format != "verbose_json":
+        return {"text": output.text, "usage": usage}
+    segments = [{"id": i, "seek": int(s.start_s // WINDOW_S * WINDOW_S * 100),
+                 "start": round(s.start_s, 2), "end": round(s.end_s, 2), "text": s.text,
+                 "tokens": list(s.tokens), "temperature": body.temperature}
+                for i, s in enumerate(output.segments)]
     return {"task": "transcribe", "language": output.language,
             "duration": round(output.duration_s, 3), "text": output.text,
-            "segments": segments}
+            "segments": segments, "usage": usage}

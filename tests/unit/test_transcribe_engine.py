@@ -193,3 +193,25 @@ def test_a_request_is_priced_by_its_frames_and_batched_by_language_and_prompt(
     other = kind.build([], TranscriptionParams(AUDIO["5s"], language="fr"), args, 24)
     assert one.batch_key != other.batch_key
     assert kind.largest_shape(args.limits, 24) == Shape(1, 12_000, 0)  # 120 s
+
+
+def test_replies_have_openai_s_shapes(engine) -> None:
+    from deployments.routes.transcriptions import (
+        TranscriptionForm,
+        TranscriptionResponse,
+        VerboseTranscriptionResponse,
+        _render,
+    )
+    from serve_app.schemas import Admitted, InferenceResult
+
+    [output] = engine.run_transcribe([request_of(AUDIO["45s"])])
+    result = InferenceResult(output, Admitted(0.0, 0), "r")
+    plain = _render(TranscriptionForm(file_sha256="-"), result)
+    assert TranscriptionResponse(**plain).text == output.text
+    assert plain["usage"] == {"type": "duration", "seconds": 45}
+    verbose = _render(TranscriptionForm(file_sha256="-", response_format="verbose_json"),
+                      result)
+    checked = VerboseTranscriptionResponse(**verbose)
+    assert (checked.task, checked.language, checked.duration) == ("transcribe", "en", 45.0)
+    assert [s.seek for s in checked.segments] == [0, 3000]  # one per 30 s window
+    assert "".join(s.text for s in checked.segments) == checked.text == output.text
