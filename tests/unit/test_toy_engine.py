@@ -121,3 +121,24 @@ def test_the_engine_s_canary_runs_its_kind() -> None:
     engine = ToyEngine.load(parse_args(ARGS), "cpu")
     assert engine.canary() is True
     assert engine.profile_ladder(Shape(8, 64, 0))[0][0] == Shape(8, 64, 0)  # largest first
+
+
+def test_the_profile_command_shows_the_engine_s_axes_and_feature(tmp_path: Path) -> None:
+    import yaml
+
+    config = tmp_path / "toy.yaml"
+    config.write_text(yaml.safe_dump({"applications": [{
+        "name": "toy", "import_path": "serve_app.app:build_app", "args": ARGS}]}))
+    out = tmp_path / "toy.json"
+    done = subprocess.run([sys.executable, "-m", "serve_app", "profile", "--config",
+                           str(config), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert "profiled 1/11: texts=8 words=64 unused=0 peak=" in done.stderr
+    lines = done.stdout.splitlines()
+    assert "shape axes: texts, words, unused" in lines
+    assert any(line.startswith("largest request (texts=8 words=64 unused=0): ")
+               for line in lines)
+    assert any(line.split()[:3] == ["texts", "words", "unused"] for line in lines)
+    assert any(line.strip().startswith("toy_texts_word_pairs") for line in lines)
+    assert any(line.strip().startswith("held-out fit error:") for line in lines)
