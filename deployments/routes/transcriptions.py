@@ -135,6 +135,10 @@ class TranscriptionsRoute(Route):
 
     async def prepare(self, body: TranscriptionForm, request_id: str) -> Prepared:
         self.context.check_model(body.model)
+        if not body._data:  # an empty upload, or a body stored without its file (a job)
+            raise InvalidRequestError("no audio: send the file as the multipart field `file` "
+                                      "(transcriptions do not run as durable jobs)",
+                                      code="file")
         if body.response_format not in RESPONSE_FORMATS:
             raise InvalidRequestError(f"response_format={body.response_format!r}: one of "
                                       f"{list(RESPONSE_FORMATS)}", code="response_format")

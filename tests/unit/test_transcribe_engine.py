@@ -157,6 +157,9 @@ def test_the_route_refuses_what_the_limits_refuse_naming_the_knob(http) -> None:
     assert "limits.max_audio_s = 10 s" in too_long.json()["error"]["message"]
     garbage = post(http, b"\x00\x01 not audio")
     assert (garbage.status_code, garbage.json()["error"]["code"]) == (400, "file")
+    empty = post(http, b"")
+    assert (empty.status_code, empty.json()["error"]["code"]) == (400, "file")
+    assert "no audio" in empty.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(("form", "code"), [
