@@ -240,9 +240,11 @@ def tone(seconds: float, frequency_hz: float, rate_hz: int = 16_000,
     return wave if channels == 1 else np.stack([wave] * channels, axis=1)
 
 
-def whisper_reference(path: Path, audio: Any, language: str | None) -> str:
+def whisper_reference(path: Path, audio: Any, language: str | None,
+                      prompt: str = "") -> str:
     """transformers alone: the processor's features (long-form: unpadded past 30 s, with
-    the attention mask), ``generate`` with timestamps, ``batch_decode``."""
+    the attention mask), ``generate`` with timestamps (and ``prompt_ids`` of ``prompt``, as
+    ``processor.get_prompt_ids`` makes them), ``batch_decode``."""
     import torch
     from transformers import WhisperForConditionalGeneration, WhisperProcessor
 
@@ -252,10 +254,11 @@ def whisper_reference(path: Path, audio: Any, language: str | None) -> str:
     features = processor(audio, sampling_rate=16_000, return_tensors="pt", truncation=False,
                          padding="longest" if long else "max_length",
                          return_attention_mask=True)
+    prompt_ids = processor.get_prompt_ids(prompt, return_tensors="pt") if prompt else None
     with torch.inference_mode():
         ids = model.generate(features.input_features, attention_mask=features.attention_mask,
                              language=language, task="transcribe",
-                             return_timestamps=True)
+                             return_timestamps=True, prompt_ids=prompt_ids)
     return processor.batch_decode(ids, skip_special_tokens=True)[0]
 
 

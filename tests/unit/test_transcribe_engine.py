@@ -72,6 +72,17 @@ def test_a_detected_language_is_generate_s_own(engine) -> None:
     assert output.text == whisper_reference(engine.path, audio, None)
 
 
+@pytest.mark.parametrize("name", ["5s", "45s"])
+def test_a_prompt_conditions_the_transcript_as_generate_s_prompt_ids(engine, name) -> None:
+    audio, prompt = AUDIO[name], "hello there"
+    [ids] = engine.front.tokenize([prompt])
+    request = InferenceRequest("transcribe", (tuple(ids),), Shape(1, 1, 0),
+                               TranscriptionParams(audio, prompt=prompt, language="en"))
+    [output] = engine.run_transcribe([request])
+    assert output.text == whisper_reference(engine.path, audio, "en", prompt)
+    assert output.text != engine.run_transcribe([request_of(audio)])[0].text
+
+
 def test_a_batch_gives_each_file_what_it_gets_alone(engine) -> None:
     requests = [request_of(AUDIO[name]) for name in ("45s", "5s", "62s", "17s")]
     alone = [engine.run_transcribe([r])[0] for r in requests]
