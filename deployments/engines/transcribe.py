@@ -236,7 +236,10 @@ class TranscribeEngine(Engine):
         the longest), at 1, 2 and 1 files. The fitted shapes come largest first, so that
         each is measured in the state the allocator is left in by the largest pass (as a
         serving replica's is): on CPU, one file of 3-30 s read 7-8 MiB (about 30 %) more
-        after a 4 x 60 s pass than before it (the tiny test Whisper, host RSS)."""
+        after a 4 x 60 s pass than before it (the tiny test Whisper, host RSS). Passes of
+        more files than measured (``batching.max_batch_size`` above 4) are priced by the
+        fit, whose every term but ``const`` grows linearly with files (each file's windows
+        hold their own activations)."""
         top_files = min(4, self.max_batch_files)
         files = sorted({1, max(1, top_files // 2), top_files})
         window, longest = AUDIO_WINDOW_FRAMES, largest[1]
