@@ -144,11 +144,13 @@ def _cost_model_lines(measured: MeasuredReplica) -> list[str]:
              "batch_prompt": "bytes per prompt token", "batch_prompt_sq": "bytes per input "
              "x prompt token^2"}
     lines = ["cost model: bytes = sum(coefficient x feature)"]
-    lines += [f"  {f:<16} {c:>14.2f}  {units.get(f, '')}"
+    width = max(16, *(len(f) for f in model.features))
+    lines += [f"  {f:<{width}} {c:>14.2f}  {units.get(f, f'bytes per unit of {f}')}"
               for f, c in zip(model.features, model.coefficients, strict=True)]
     lines.append(f"  held-out fit error: {model.fit_error:.1%} (largest |fitted - measured| / "
                  "measured on shapes not used for the fit)")
-    lines.append(f"analytic / measured: {low:.2f} .. {high:.2f}")
+    lines.append(f"analytic / measured: {low:.2f} .. {high:.2f}" if high > 0 else
+                 "analytic / measured: none (the engine has no analytic estimate)")
     return lines
 
 
