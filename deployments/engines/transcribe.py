@@ -17,6 +17,7 @@ one with the tiny test model, as the long-form loop keeps each window's outputs)
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -151,9 +152,15 @@ class TranscribeEngine(Engine):
             raise config_error("model.path", "the transcribe engine needs a Whisper model "
                                "directory (config.json, weights, processor files)")
         config = Path(args.model.resolved_path()) / "config.json"
-        if config.exists() and '"whisper"' not in config.read_text():
-            raise config_error("model.path", f"{config} is not a Whisper model "
-                               "(model_type must be whisper)")
+        if not config.exists():
+            return  # as HFEngine.check_args: the model may live on the worker nodes only
+        try:
+            model_type = json.loads(config.read_text()).get("model_type")
+        except (OSError, ValueError) as exc:
+            raise config_error("model.path", f"cannot read {config}: {exc}") from None
+        if model_type != "whisper":
+            raise config_error("model.path", f"{config} is not a Whisper model (model_type "
+                               f"{model_type!r}, not 'whisper')")
 
     @classmethod
     def describe(cls, args: AppArgs) -> str:
@@ -188,9 +195,10 @@ class TranscribeEngine(Engine):
                 in zip(params, languages, output["segments"], strict=True)]
 
     def features(self, audio: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-mel features and their frame mask of one batch of 16 kHz files, padded to the
-        longest and to at least one 30 s window, as transformers' long-form transcription
-        takes them (``truncation=False, padding="longest"``)."""
+        """Log-mel features, ``(files, mel bins, frames)`` in the model's dtype, and their
+        frame mask, ``(files, frames)``, of one batch of 16 kHz files: padded to the longest
+        and to at least one 30 s window (3000 frames), as transformers' long-form
+        transcription takes them (``truncation=False, padding="longest"``)."""
         longest = max(len(a) for a in audio)
         short = longest <= AUDIO_WINDOW_FRAMES * AUDIO_HOP_SAMPLES
         extracted = self.processor.feature_extractor(

@@ -229,3 +229,15 @@ def test_replies_have_openai_s_shapes(engine) -> None:
     assert (checked.task, checked.language, checked.duration) == ("transcribe", "en", 45.0)
     assert [s.seek for s in checked.segments] == [0, 3000]  # one per 30 s window
     assert "".join(s.text for s in checked.segments) == checked.text == output.text
+
+
+def test_the_engine_refuses_a_config_it_cannot_serve(tmp_path, whisper_dir) -> None:
+    from serve_app.config import ConfigError
+
+    with pytest.raises(ConfigError, match="model.path: the transcribe engine needs"):
+        engine_class(parse_args({"model": {"engine": "transcribe"}}))
+    (tmp_path / "config.json").write_text('{"model_type": "bert"}')
+    with pytest.raises(ConfigError, match="model_type 'bert', not 'whisper'"):
+        engine_class(parse_args({"model": {"engine": "transcribe", "path": str(tmp_path)}}))
+    args = parse_args({"model": {"engine": "transcribe", "path": str(whisper_dir)}})
+    assert engine_class(args) is TranscribeEngine
