@@ -251,7 +251,7 @@ class RequestBatcher:
 def _member(ticket: Ticket) -> BatchMember:
     request = ticket.request
     new_tokens = KINDS[request.kind].new_tokens(request.params)
-    return BatchMember(len(request.input_ids), max(request.token_counts),
+    return BatchMember(len(request.input_ids), KINDS[request.kind].pass_length(request),
                        ticket.lease.nbytes, new_tokens)
 
 

@@ -203,7 +203,7 @@ class RequestLifecycle:
         max_seq = self._engine.max_seq_tokens
         kind.check_tokens(counts, request.params,
                           min(self._args.limits.max_input_tokens, max_seq), max_seq)
-        if (shape.inputs != len(counts) or shape.prompt_tokens < max(counts)
+        if (shape.inputs != len(counts) or shape.prompt_tokens < kind.pass_length(request)
                 or shape.new_tokens < kind.new_tokens(request.params)):
             raise InvalidRequestError(f"the request is priced at {tuple(shape)} (inputs, "
                                       "tokens, new tokens), smaller than it is", code="shape")

@@ -103,11 +103,11 @@ def _profile(args: AppArgs, cls: type[Engine], opened: OpenedEngine, largest: Sh
             engine.profile_run, probe, engine.analytic_model(), features=engine.fit_features,
             ladder=engine.profile_ladder(largest), task=args.model.engine_name,
             model_path=cls.profile_identity(args), held_bytes=opened.held_bytes,
-            on_progress=on_progress)
+            shape_axes=cls.shape_axes, on_progress=on_progress)
     except torch.OutOfMemoryError as exc:
         raise InsufficientMemoryError(
             f"profiling ran out of device memory (largest allowed request: "
-            f"{largest[0]} x ({largest[1]} + {largest[2]}) tokens; capacity "
+            f"{dict(zip(cls.shape_axes, largest, strict=True))}; capacity "
             f"{probe.capacity_bytes()} bytes, model holds {opened.held_bytes}): {exc}. Lower "
             "limits.max_inputs / limits.max_input_tokens / limits.max_tokens, or give the "
             "replica more memory (num_gpus, memory.capacity_bytes).") from None

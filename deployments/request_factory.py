@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+from deployments.engines.audio import decode_audio
 from deployments.engines.base import FrontEnd
 from serve_app.config import AppArgs
 from serve_app.errors import InvalidRequestError
@@ -18,6 +19,7 @@ from serve_app.request import (
     GenerationParams,
     InferenceRequest,
     RequestParams,
+    TranscriptionParams,
 )
 from serve_app.token_inputs import token_id_inputs
 
@@ -92,3 +94,24 @@ class RequestFactory:
         ids = await asyncio.to_thread(self._front.chat_ids, messages)
         return build_request("generate", [ids], params, stream, self._args,
                              self._front.max_seq_tokens, field="messages")
+
+    async def build_transcription(self, kind: str, data: bytes, prompt: str,
+                                  language: str | None, temperature: float,
+                                  response_format: str) -> InferenceRequest:
+        """A request of ``kind`` (``transcribe``) for the audio file ``data``: decoded and
+        resampled to 16 kHz (:func:`deployments.engines.audio.decode_audio`, off the event
+        loop), its ``language`` checked (front end ``check_language``), its ``prompt``
+        tokenized, priced by its length.
+
+        Raises:
+            BodyTooLargeError: the file is over ``limits.max_audio_bytes`` (413).
+            InvalidRequestError: undecodable audio, audio over ``limits.max_audio_s``, an
+                unknown language or too long a prompt (400 naming the field).
+        """
+        limits = self._args.limits
+        language = self._front.check_language(language)  # type: ignore[attr-defined]
+        audio = await asyncio.to_thread(decode_audio, data, limits.max_audio_bytes)
+        [ids] = await asyncio.to_thread(self._front.tokenize, [prompt])
+        params = TranscriptionParams(audio, prompt, language, temperature, response_format)
+        return KINDS[kind].build(ids, params, self._args,  # type: ignore[attr-defined]
+                                 self._front.max_seq_tokens)

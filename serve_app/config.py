@@ -154,6 +154,14 @@ class LimitsConfig(_Section):
         False, description="Embeddings: cut an input longer than `max_input_tokens` (or the "
         "model's `max_seq_length`) at its end, keeping its special tokens, and price it at "
         "that length, instead of refusing it with 400. A request's `truncate` overrides it.")
+    # Speech-to-text (`/v1/audio/transcriptions`, engine `transcribe`).
+    max_audio_bytes: int = Field(
+        3 * MiB, gt=0, description="Largest uploaded audio file (413 `file` beyond). The "
+        "whole multipart body must also fit `max_body_bytes` (413 `body_too_large`).")
+    max_audio_s: float = Field(
+        120.0, gt=0, description="Longest audio a transcription may be, seconds (400 `file` "
+        "beyond); the profile's ladder goes up to it, so it sets start-up time and the "
+        "largest request the budget must hold.")
 
 
 class DeploymentConfig(_Section):

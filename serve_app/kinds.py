@@ -19,7 +19,13 @@ from serve_app.config import AppArgs, BatchingConfig, LimitsConfig
 from serve_app.errors import InvalidRequestError
 from serve_app.memory.cost_model import Shape
 from serve_app.pricing import priced_tokens
-from serve_app.request import EmbeddingParams, InferenceRequest, RequestParams
+from serve_app.request import (
+    AUDIO_SAMPLE_RATE_HZ,
+    EmbeddingParams,
+    InferenceRequest,
+    RequestParams,
+    TranscriptionParams,
+)
 
 
 def _check_tokens(tokens: int, limit: int, what: str, code: str, hint: str = "") -> None:
@@ -68,6 +74,11 @@ class RequestKind:
         """Whether a pass padded to ``prompt_tokens`` generating ``new_tokens`` fits the
         model's context."""
         return prompt_tokens + new_tokens <= max_seq_tokens
+
+    def pass_length(self, request: InferenceRequest) -> int:
+        """The length ``request`` pads a pass to, along its shape's second slot (tokens of
+        its longest input)."""
+        return max(request.token_counts)
 
 
 class EmbedKind(RequestKind):
@@ -158,7 +169,82 @@ class GenerateKind(RequestKind):
         return Shape(1, tokens, args.limits.max_tokens)
 
 
-KINDS: dict[str, RequestKind] = {kind.name: kind for kind in (EmbedKind(), GenerateKind())}
+# Whisper's log-mel front end: 10 ms hops at 16 kHz, 30 s windows (Radford et al. 2022, sec.
+# 2.2; transformers' WhisperFeatureExtractor: hop_length 160, chunk_length 30).
+AUDIO_HOP_SAMPLES = 160
+AUDIO_WINDOW_FRAMES = 3000
+
+
+def audio_frames(samples: int) -> int:
+    """Log-mel frames of ``samples`` audio samples at 16 kHz (10 ms each, at least 1)."""
+    return max(1, -(-samples // AUDIO_HOP_SAMPLES))
+
+
+class TranscribeKind(RequestKind):
+    """``POST /v1/audio/transcriptions``: one audio file, priced by its length in log-mel
+    frames (shape: files, audio frames, 0; ``Engine.shape_axes`` of a speech engine). Files
+    of the same language, temperature and prompt share a pass (one padded batch; a pass
+    costs its files x its longest file, as the engine's fit prices it)."""
+
+    name = "transcribe"
+    field = "file"
+
+    def check_inputs(self, inputs: int, params: RequestParams,
+                     limits: LimitsConfig) -> None:
+        assert isinstance(params, TranscriptionParams)
+        if params.duration_s > limits.max_audio_s:
+            raise InvalidRequestError(
+                f"the audio is {params.duration_s:.1f} s long; the limit is "
+                f"limits.max_audio_s = {limits.max_audio_s:g} s", code="file")
+
+    def check_tokens(self, token_counts: Sequence[int], params: RequestParams,
+                     max_input_tokens: int, max_seq_tokens: int,
+                     field: str | None = None) -> None:
+        # Whisper reads at most half its decoder context as previous text (the prompt):
+        # transformers' WhisperForConditionalGeneration.generate refuses more.
+        [prompt_tokens] = token_counts
+        _check_tokens(prompt_tokens, max_seq_tokens // 2 - 1, "prompt", "prompt")
+
+    def batch_key(self, inputs: int, params: RequestParams, stream: bool,
+                  batching: BatchingConfig) -> tuple | None:
+        assert isinstance(params, TranscriptionParams)
+        if not batching.enabled:
+            return None
+        return (self.name, params.language, params.temperature, params.prompt)
+
+    def largest_shape(self, limits: LimitsConfig, max_seq_tokens: int) -> Shape:
+        return Shape(1, audio_frames(int(limits.max_audio_s * AUDIO_SAMPLE_RATE_HZ)), 0)
+
+    def p95_shape(self, args: AppArgs) -> Shape:
+        # No knob says how long the traffic's audio is: one 30 s window, or the limit.
+        seconds = min(30.0, args.limits.max_audio_s)
+        return Shape(1, audio_frames(int(seconds * AUDIO_SAMPLE_RATE_HZ)), 0)
+
+    def fits_context(self, prompt_tokens: int, new_tokens: int, max_seq_tokens: int) -> bool:
+        return True  # audio of any length runs in 30 s windows; its limit is max_audio_s
+
+    def pass_length(self, request: InferenceRequest) -> int:
+        assert isinstance(request.params, TranscriptionParams)
+        return audio_frames(len(request.params.audio))
+
+    def build(self, prompt_ids: Sequence[int], params: TranscriptionParams, args: AppArgs,
+              max_seq_tokens: int) -> InferenceRequest:
+        """The validated, priced request of one decoded file (``params.audio``) and its
+        prompt's token ids.
+
+        Raises:
+            InvalidRequestError: the audio is longer than ``limits.max_audio_s`` or the
+                prompt longer than the model reads (``code``: ``file``, ``prompt``).
+        """
+        self.check_inputs(1, params, args.limits)
+        self.check_tokens([len(prompt_ids)], params, max_seq_tokens, max_seq_tokens)
+        shape = Shape(1, audio_frames(len(params.audio)), 0)
+        return InferenceRequest(self.name, (tuple(prompt_ids),), shape, params, False,
+                                self.batch_key(1, params, False, args.batching))
+
+
+KINDS: dict[str, RequestKind] = {kind.name: kind
+                                 for kind in (EmbedKind(), GenerateKind(), TranscribeKind())}
 """Every request kind, by name."""
 
 

@@ -52,7 +52,38 @@ class EmbeddingParams:
     prompt_tokens: int = 0
 
 
-RequestParams = GenerationParams | EmbeddingParams | None
+@dataclass(frozen=True, eq=False)
+class TranscriptionParams:
+    """What a ``transcribe`` request carries beyond its prompt (validated by the ingress).
+
+    Attributes:
+        audio: the decoded file as float32 mono samples at :data:`AUDIO_SAMPLE_RATE_HZ`,
+            shape ``(samples,)``.
+        language: ISO-639-1 code of the spoken language (``en``), or ``None``: the model
+            detects it.
+        temperature: 0 = greedy decoding; > 0 samples at that temperature.
+        response_format: ``json``, ``text`` or ``verbose_json`` (OpenAI's names).
+        prompt: text the transcript continues (OpenAI's ``prompt``; its token ids are the
+            request's ``input_ids[0]``); requests share a pass only with the same prompt.
+    """
+
+    audio: np.ndarray
+    prompt: str = ""
+    language: str | None = None
+    temperature: float = 0.0
+    response_format: str = "json"
+
+    @property
+    def duration_s(self) -> float:
+        """The audio's length, seconds."""
+        return len(self.audio) / AUDIO_SAMPLE_RATE_HZ
+
+
+AUDIO_SAMPLE_RATE_HZ = 16_000
+"""The rate audio is resampled to: what Whisper's log-mel front end reads (Radford et al.
+2022, "Robust Speech Recognition via Large-Scale Weak Supervision", sec. 2.2)."""
+
+RequestParams = GenerationParams | EmbeddingParams | TranscriptionParams | None
 """A request's parameters: its kind's, or ``None`` for the kind's defaults."""
 
 
@@ -140,6 +171,39 @@ class GenerationOutput:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+
+    def finite(self) -> bool:
+        """Text carries no NaN: always ``True``."""
+        return True
+
+
+@dataclass(frozen=True)
+class TranscriptionSegment:
+    """One piece of a transcript: its start and end in the audio (seconds), its text and
+    its token ids (timestamps included, as Whisper wrote them)."""
+
+    start_s: float
+    end_s: float
+    text: str
+    tokens: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class TranscriptionOutput:
+    """What an engine answers for one ``transcribe`` request.
+
+    Attributes:
+        text: the whole transcript.
+        language: the language it was transcribed in (ISO-639-1), asked for or detected.
+        duration_s: the audio's length, seconds.
+        segments: the transcript in pieces with their times (Whisper's timestamped
+            segments).
+    """
+
+    text: str
+    language: str
+    duration_s: float
+    segments: tuple[TranscriptionSegment, ...] = ()
 
     def finite(self) -> bool:
         """Text carries no NaN: always ``True``."""

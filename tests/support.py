@@ -160,6 +160,108 @@ def build_tiny_causal_lm(path: Path, num_layers: int = 2, max_positions: int = 5
     return path
 
 
+
+WHISPER_LANGUAGES = ("en", "fr")
+
+
+def build_tiny_whisper(path: Path, d_model: int = 64, num_layers: int = 2,
+                       max_target_positions: int = 24) -> Path:
+    """Save a small random-weight Whisper to ``path``: ``WhisperConfig`` (80 mel bins, 30 s
+    windows of 1500 encoder positions, as every Whisper), a ``WhisperFeatureExtractor``, a
+    byte-level BPE ``WhisperTokenizer`` over the 256 byte symbols with Whisper's special
+    tokens (``<|startoftranscript|>``, languages :data:`WHISPER_LANGUAGES`, tasks,
+    ``<|startofprev|>``, ``<|notimestamps|>``) and its 1501 timestamp tokens
+    ``<|0.00|>`` .. ``<|30.00|>``, and a generation config with the ids transformers'
+    long-form ``generate`` reads (``no_timestamps_token_id``, ``lang_to_id``,
+    ``task_to_id``, ``prev_sot_token_id``, ``max_initial_timestamp_index``). Built offline in
+    a few seconds. Random weights, but the decoder's last layer norm carries a constant
+    component that the 256 byte tokens' (tied) output rows align with and the special and
+    timestamp tokens' oppose: the model writes text (random bytes, often invalid UTF-8)
+    until ``max_target_positions``, never a closing timestamp, so long-form ``generate``
+    advances one whole 30 s window per call, which keeps CPU tests fast."""
+    import torch
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import (
+        GenerationConfig,
+        WhisperConfig,
+        WhisperFeatureExtractor,
+        WhisperForConditionalGeneration,
+        WhisperProcessor,
+        WhisperTokenizer,
+    )
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = {symbol: i for i, symbol in enumerate(sorted(ByteLevel.alphabet()))}
+    specials = ["<|endoftext|>", "<|startoftranscript|>",
+                *[f"<|{code}|>" for code in WHISPER_LANGUAGES], "<|translate|>",
+                "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nospeech|>",
+                "<|notimestamps|>"]
+    timestamps = [f"<|{i * 0.02:.2f}|>" for i in range(1501)]
+    for token in specials + timestamps:
+        vocab[token] = len(vocab)
+    ids = {token: vocab[token] for token in specials}
+    tokenizer = WhisperTokenizer(vocab=vocab, merges=[], additional_special_tokens=specials[1:])
+    WhisperProcessor(feature_extractor=WhisperFeatureExtractor(feature_size=80),
+                     tokenizer=tokenizer).save_pretrained(str(path))
+    end, start = ids["<|endoftext|>"], ids["<|startoftranscript|>"]
+    config = WhisperConfig(
+        vocab_size=len(vocab), num_mel_bins=80, d_model=d_model, encoder_layers=num_layers,
+        decoder_layers=num_layers, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=2 * d_model, decoder_ffn_dim=2 * d_model, max_source_positions=1500,
+        max_target_positions=max_target_positions, pad_token_id=end, bos_token_id=end,
+        eos_token_id=end, decoder_start_token_id=start, begin_suppress_tokens=None,
+        suppress_tokens=None)
+    torch.manual_seed(0)
+    model = WhisperForConditionalGeneration(config)
+    with torch.no_grad():  # text tokens outscore timestamps and ends (see the docstring)
+        model.model.decoder.layer_norm.bias[0] = 8.0
+        model.model.decoder.embed_tokens.weight[:, 0] = -1.0
+        model.model.decoder.embed_tokens.weight[:256, 0] = 1.0
+    model.generation_config = GenerationConfig(
+        decoder_start_token_id=start, eos_token_id=end, pad_token_id=end, bos_token_id=end,
+        max_length=max_target_positions, no_timestamps_token_id=ids["<|notimestamps|>"],
+        prev_sot_token_id=ids["<|startofprev|>"], is_multilingual=True,
+        lang_to_id={f"<|{code}|>": ids[f"<|{code}|>"] for code in WHISPER_LANGUAGES},
+        task_to_id={"transcribe": ids["<|transcribe|>"], "translate": ids["<|translate|>"]},
+        max_initial_timestamp_index=50, begin_suppress_tokens=[end], suppress_tokens=[])
+    model.save_pretrained(str(path))
+    return path
+
+
+def tone(seconds: float, frequency_hz: float, rate_hz: int = 16_000,
+         channels: int = 1) -> Any:
+    """A tone with a little noise (fixed seed), float32 in [-1, 1]; ``(samples,)`` or
+    ``(samples, channels)``."""
+    import numpy as np
+
+    t = np.arange(int(seconds * rate_hz)) / rate_hz
+    noise = np.random.default_rng(int(frequency_hz)).standard_normal(t.size)
+    wave = (0.3 * np.sin(2 * np.pi * frequency_hz * t) + 0.01 * noise).astype(np.float32)
+    return wave if channels == 1 else np.stack([wave] * channels, axis=1)
+
+
+def whisper_reference(path: Path, audio: Any, language: str | None,
+                      prompt: str = "") -> str:
+    """transformers alone: the processor's features (long-form: unpadded past 30 s, with
+    the attention mask), ``generate`` with timestamps (and ``prompt_ids`` of ``prompt``, as
+    ``processor.get_prompt_ids`` makes them), ``batch_decode``."""
+    import torch
+    from transformers import WhisperForConditionalGeneration, WhisperProcessor
+
+    processor = WhisperProcessor.from_pretrained(str(path))
+    model = WhisperForConditionalGeneration.from_pretrained(str(path)).eval()
+    long = len(audio) > 30 * 16_000
+    features = processor(audio, sampling_rate=16_000, return_tensors="pt", truncation=False,
+                         padding="longest" if long else "max_length",
+                         return_attention_mask=True)
+    prompt_ids = processor.get_prompt_ids(prompt, return_tensors="pt") if prompt else None
+    with torch.inference_mode():
+        ids = model.generate(features.input_features, attention_mask=features.attention_mask,
+                             language=language, task="transcribe",
+                             return_timestamps=True, prompt_ids=prompt_ids)
+    return processor.batch_decode(ids, skip_special_tokens=True)[0]
+
+
 MiB = 1 << 20
 
 

@@ -36,7 +36,13 @@ import numpy as np
 from serve_app.config import AppArgs
 from serve_app.errors import InvalidRequestError
 from serve_app.kinds import KINDS
-from serve_app.memory.cost_model import DECODER_FEATURES, ENCODER_FEATURES, CostModel, Shape
+from serve_app.memory.cost_model import (
+    DECODER_FEATURES,
+    ENCODER_FEATURES,
+    TOKEN_AXES,
+    CostModel,
+    Shape,
+)
 from serve_app.memory.probes import DeviceProbe
 from serve_app.memory.profiler import profile_ladder
 from serve_app.planning import planned_host_capacity
@@ -116,10 +122,15 @@ class Engine:
 
     Attributes:
         kinds: the request kinds served, e.g. ``("embed",)``.
+        shape_axes: what the three slots of a :class:`Shape` mean for this engine's cost:
+            the token kinds' ``("inputs", "prompt_tokens", "new_tokens")`` by default, e.g.
+            ``("files", "audio_frames", "new_tokens")`` for speech. Shown with the profile
+            (``python -m serve_app profile``, ``/v1/status``); see docs/engines.md.
         max_seq_tokens: (instances) the longest input the model accepts, tokens.
     """
 
     kinds: ClassVar[tuple[str, ...]] = ()
+    shape_axes: ClassVar[tuple[str, str, str]] = TOKEN_AXES
     max_seq_tokens: int
 
     # --- the class: read where requests are validated and deployments planned ------------
@@ -230,12 +241,16 @@ class Engine:
 
     @property
     def fit_features(self) -> tuple[str, ...]:
-        """The cost model's features (:data:`serve_app.memory.cost_model.FEATURES`)."""
+        """The cost model's features, by name (:data:`serve_app.memory.cost_model.FEATURES`;
+        an engine may register its own with
+        :func:`~serve_app.memory.cost_model.register_feature` at import of its module).
+        The profiler fits at most as many as it has fitted shapes, in this order."""
         return DECODER_FEATURES if self.is_decoder else ENCODER_FEATURES
 
     def profile_ladder(self, largest: Shape) -> tuple[list[Shape], list[Shape]]:
-        """Shapes to measure up to ``largest``: ``(fitted, held out)``
-        (:func:`serve_app.memory.profiler.profile_ladder`)."""
+        """Shapes to measure up to ``largest`` (over :attr:`shape_axes`): ``(fitted, held
+        out)``; the fit's error is the largest relative error on the held-out ones. Default:
+        :func:`serve_app.memory.profiler.profile_ladder`."""
         return profile_ladder(*largest)
 
     def profile_run(self, batch: int, prompt_tokens: int, new_tokens: int = 0) -> None:

@@ -19,6 +19,7 @@ BUILTIN_ENGINES = {
     "embed": "deployments.engines.embeddings:EmbeddingEngine",
     "generate": "deployments.engines.generation:GenerationEngine",
     "fake": "deployments.engines.fake:FakeEngine",
+    "transcribe": "deployments.engines.transcribe:TranscribeEngine",
 }
 """Registered engine names and the classes they stand for."""
 

@@ -6,8 +6,10 @@ from deployments.routes.base import Route, RouteContext
 from deployments.routes.chat import ChatCompletionsRoute
 from deployments.routes.completions import CompletionsRoute
 from deployments.routes.embeddings import EmbeddingsRoute
+from deployments.routes.transcriptions import TranscriptionsRoute
 
-ROUTES: tuple[type[Route], ...] = (EmbeddingsRoute, CompletionsRoute, ChatCompletionsRoute)
+ROUTES: tuple[type[Route], ...] = (EmbeddingsRoute, CompletionsRoute, ChatCompletionsRoute,
+                                   TranscriptionsRoute)
 """Every inference route; each serves one request kind (``Route.kind``)."""
 
 __all__ = ["ROUTES", "Route", "RouteContext"]

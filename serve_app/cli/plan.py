@@ -25,6 +25,7 @@ from serve_app.measurement import (
     measurement_key,
 )
 from serve_app.memory.budget import InsufficientMemoryError
+from serve_app.memory.cost_model import TOKEN_AXES
 from serve_app.placement import gpu_packing, packing_problem
 from serve_app.planning import (
     MAX_ONGOING_REQUESTS_CAP,
@@ -136,7 +137,8 @@ def plan_lines(title: str, args: AppArgs, engine: EngineSpec,
     replicas = (f"{dep.num_replicas} initially, autoscaled {dep.min_replicas or 1} .. "
                 f"{dep.max_replicas} on the admission queue" if dep.autoscaling
                 else str(dep.num_replicas))
-    p95 = " or ".join(shape_text(s) for s in p95_request_shapes(args, engine.kinds))
+    p95 = " or ".join(shape_text(s, getattr(engine, "shape_axes", TOKEN_AXES))
+                     for s in p95_request_shapes(args, engine.kinds))
     lines = [
         title,
         f"  model:                {args.model.name} ({args.model.engine_name} engine, on "
@@ -175,8 +177,11 @@ def _ongoing_why(args: AppArgs, plan: DeploymentPlan) -> str:
             f"(admission.max_queue_len){capped}")
 
 
-def shape_text(shape: tuple[int, int, int]) -> str:
-    """A request shape in words: ``4 x 64 tokens + 32 new``."""
+def shape_text(shape: tuple[int, int, int], axes: tuple[str, ...] = TOKEN_AXES) -> str:
+    """A request shape in words: ``4 x 64 tokens + 32 new`` on the token axes, else each
+    axis named (``files=1 audio_frames=6000 new_tokens=0``, ``Engine.shape_axes``)."""
+    if tuple(axes) != TOKEN_AXES:
+        return " ".join(f"{axis}={value}" for axis, value in zip(axes, shape, strict=True))
     batch, prompt, new = shape
     return f"{batch} x {prompt} tokens" + (f" + {new} new" if new else "")
 

@@ -104,8 +104,9 @@ def report(name: str, config_path: Path, args: AppArgs, measured: MeasuredReplic
            plan: DeploymentPlan, out: Path) -> str:
     """The text printed to stdout after a measurement."""
     profile, mem, largest = measured.profile, args.memory, measured.largest
-    p95 = " or ".join(shape_text(s) for s in p95_request_shapes(args,
-                                                                measured.engine_class.kinds))
+    axes = profile.shape_axes
+    p95 = " or ".join(shape_text(s, axes) for s in p95_request_shapes(
+        args, measured.engine_class.kinds))
     lines = [
         f"vramgate profile of application {name!r} in {config_path}",
         f"device:   {profile.device}",
@@ -116,7 +117,8 @@ def report(name: str, config_path: Path, args: AppArgs, measured: MeasuredReplic
         f"budget:   {bytes_text(measured.budget_bytes)}   " + (
             "(memory.budget_bytes)" if mem.budget_bytes is not None
             else f"((capacity - held - reserve) x safety_factor {mem.safety_factor:g})"),
-        f"largest request ({shape_text(largest)}): {bytes_text(measured.max_request_bytes)}",
+        f"shape axes: {', '.join(axes)}",
+        f"largest request ({shape_text(largest, axes)}): {bytes_text(measured.max_request_bytes)}",
         f"P95 request ({p95}): {bytes_text(plan.request_bytes)}",
         f"profiled in {profile.duration_s:.1f} s",
         "",
@@ -143,11 +145,13 @@ def _cost_model_lines(measured: MeasuredReplica) -> list[str]:
              "batch_prompt": "bytes per prompt token", "batch_prompt_sq": "bytes per input "
              "x prompt token^2"}
     lines = ["cost model: bytes = sum(coefficient x feature)"]
-    lines += [f"  {f:<16} {c:>14.2f}  {units.get(f, '')}"
+    width = max(16, *(len(f) for f in model.features))
+    lines += [f"  {f:<{width}} {c:>14.2f}  {units.get(f, f'bytes per unit of {f}')}"
               for f, c in zip(model.features, model.coefficients, strict=True)]
     lines.append(f"  held-out fit error: {model.fit_error:.1%} (largest |fitted - measured| / "
                  "measured on shapes not used for the fit)")
-    lines.append(f"analytic / measured: {low:.2f} .. {high:.2f}")
+    lines.append(f"analytic / measured: {low:.2f} .. {high:.2f}" if high > 0 else
+                 "analytic / measured: none (the engine has no analytic estimate)")
     return lines
 
 

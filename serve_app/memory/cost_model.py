@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -29,7 +29,9 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 class Shape(NamedTuple):
-    """The size of a request or of a forward pass, as a cost model reads it.
+    """The size of a request or of a forward pass, as a cost model reads it. The field names
+    are the token kinds' (:data:`TOKEN_AXES`); an engine may give the three slots other
+    meanings (``Engine.shape_axes``, e.g. files, audio frames, new tokens).
 
     Attributes:
         inputs: rows of the batch (embedding inputs, or prompts), >= 1.
@@ -80,13 +82,55 @@ class AnalyticCostModel:
         return self.shape.approx_param_count * self.shape.dtype_bytes
 
 
-# Features a fitted model may use; each is a function of (batch, prompt, new tokens).
-FEATURES = {
+# Features a fitted model may use; each is a function of the three Shape slots (for token
+# kinds: batch, prompt tokens, new tokens). Engines add their own with register_feature.
+FEATURES: dict[str, Callable[[int, int, int], float]] = {
     "const": lambda b, p, n: 1.0,
     "batch_tokens": lambda b, p, n: float(b * (p + n)),  # activations per token, KV cache
     "batch_prompt": lambda b, p, n: float(b * p),  # prefill activations (decoders)
     "batch_prompt_sq": lambda b, p, n: float(b * p * p),  # attention scores over the prompt
 }
+TOKEN_AXES = ("inputs", "prompt_tokens", "new_tokens")
+"""What the three :class:`Shape` slots mean for the token kinds (``embed``, ``generate``);
+an engine whose cost grows along other axes names its own (``Engine.shape_axes``)."""
+
+
+class UnknownFeatureError(ValueError):
+    """A fitted cost model names a feature nobody registered in this process."""
+
+
+def register_feature(name: str, fn: Callable[[int, int, int], float]) -> None:
+    """Make ``name`` usable in fitted cost models: ``fn(slot0, slot1, slot2)`` of a
+    :class:`Shape`'s three slots, returning the feature's value (a float, >= 0). Call it at
+    import of the module that defines the engine using it, so that the name resolves wherever
+    that engine class is imported (the replica, the ingress, the planner, the CLI).
+
+    Raises:
+        ValueError: ``name`` is already registered with another function (two engines must
+            not give one saved name two meanings).
+    """
+    known = FEATURES.get(name)
+    if known is not None and known is not fn:
+        raise ValueError(f"cost-model feature {name!r} is already registered")
+    FEATURES[name] = fn
+
+
+def feature(name: str) -> Callable[[int, int, int], float]:
+    """The registered feature ``name``.
+
+    Raises:
+        UnknownFeatureError: nothing registered ``name``: the engine module that registers
+            it (:func:`register_feature`) was not imported in this process.
+    """
+    try:
+        return FEATURES[name]
+    except KeyError:
+        raise UnknownFeatureError(
+            f"cost-model feature {name!r} is not registered (known: {sorted(FEATURES)}); "
+            "import the engine module that registers it (register_feature) before reading "
+            "a cost model fitted with it") from None
+
+
 ENCODER_FEATURES = ("const", "batch_tokens", "batch_prompt_sq")
 DECODER_FEATURES = ("const", "batch_tokens", "batch_prompt", "batch_prompt_sq")
 # Measurements below this are counted as this much when computing relative errors: a page or
@@ -99,7 +143,8 @@ class FittedCostModel:
     """``bytes = sum(coefficient_k x feature_k(batch, prompt, new))``, fitted to measured peaks.
 
     Attributes:
-        features: names from :data:`FEATURES`.
+        features: names from :data:`FEATURES` (built in, or added by an engine module with
+            :func:`register_feature`).
         coefficients: bytes per unit of each feature (>= 0).
         fit_error: largest relative error on held-out shapes, ``|pred - meas| / max(meas,
             ERROR_FLOOR_BYTES)``; ``nan`` when nothing was held out.
@@ -110,7 +155,7 @@ class FittedCostModel:
     fit_error: float = math.nan
 
     def request_bytes(self, batch: int, prompt_tokens: int, new_tokens: int = 0) -> int:
-        total = sum(c * FEATURES[f](batch, prompt_tokens, new_tokens)
+        total = sum(c * feature(f)(batch, prompt_tokens, new_tokens)
                     for f, c in zip(self.features, self.coefficients, strict=True))
         return max(0, math.ceil(total))
 
@@ -120,7 +165,16 @@ class FittedCostModel:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> FittedCostModel:
-        return cls(tuple(raw["features"]), tuple(float(c) for c in raw["coefficients"]),
+        """The model :meth:`to_dict` wrote.
+
+        Raises:
+            UnknownFeatureError: it names a feature not registered in this process.
+            KeyError, ValueError: ``raw`` is not a fitted model.
+        """
+        features = tuple(raw["features"])
+        for name in features:
+            feature(name)
+        return cls(features, tuple(float(c) for c in raw["coefficients"]),
                    float(raw["fit_error"]))
 
 
@@ -140,6 +194,7 @@ def fit_cost_model(shapes: Sequence[tuple[int, int, int]], peaks_bytes: Sequence
         features: candidate feature names from :data:`FEATURES`.
 
     Raises:
+        UnknownFeatureError: a name is not registered (:func:`register_feature`).
         ValueError: fewer measurements than features, or lengths differ.
     """
     if len(shapes) != len(peaks_bytes) or len(shapes) < len(features):
@@ -148,7 +203,7 @@ def fit_cost_model(shapes: Sequence[tuple[int, int, int]], peaks_bytes: Sequence
     scale = 1.0 / np.maximum(peaks, ERROR_FLOOR_BYTES)
     active = list(features)
     while True:
-        design = np.array([[FEATURES[f](*shape) for f in active] for shape in shapes])
+        design = np.array([[feature(f)(*shape) for f in active] for shape in shapes])
         coefficients, *_ = np.linalg.lstsq(design * scale[:, None], peaks * scale, rcond=None)
         negative = [f for f, c in zip(active, coefficients, strict=True) if c < 0]
         if not negative or len(active) == 1:

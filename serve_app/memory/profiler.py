@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from serve_app.memory.cost_model import (
+    TOKEN_AXES,
     CostModel,
     FittedCostModel,
     Shape,
@@ -94,6 +95,8 @@ class MemoryProfile:
         cost_model: the fitted model (coefficients, held-out error).
         points: every measurement, with predictions of the fitted and analytic models.
         duration_s: how long profiling took.
+        shape_axes: what the three shape slots of ``points`` mean for the engine
+            (``Engine.shape_axes``; the token kinds': batch, prompt tokens, new tokens).
     """
 
     device: str
@@ -106,6 +109,7 @@ class MemoryProfile:
     points: tuple[ProfilePoint, ...]
     duration_s: float
     created_at: float = field(default_factory=time.time)
+    shape_axes: tuple[str, ...] = TOKEN_AXES
 
     @property
     def fit_error(self) -> float:
@@ -132,6 +136,7 @@ class MemoryProfile:
         fields = {k: v for k, v in raw.items() if k != "version"}
         fields["cost_model"] = FittedCostModel.from_dict(raw["cost_model"])
         fields["points"] = tuple(ProfilePoint(**p) for p in raw["points"])
+        fields["shape_axes"] = tuple(raw.get("shape_axes", TOKEN_AXES))
         return cls(**fields)
 
     def save(self, path: Path) -> None:
@@ -145,19 +150,24 @@ class MemoryProfile:
     def summary(self) -> dict[str, Any]:
         """The JSON-ready digest shown in ``/v1/status``."""
         low, high = self.analytic_ratio_range
-        return {"method": self.method, "cost_model": self.cost_model.to_dict(),
+        return {"method": self.method, "shape_axes": list(self.shape_axes),
+                "cost_model": self.cost_model.to_dict(),
                 "points": len(self.points), "duration_s": round(self.duration_s, 2),
                 "analytic_over_measured": [round(low, 2), round(high, 2)]}
 
     def table(self) -> str:
         """A plain-text table of the measurements (MiB), for the CLI and the logs."""
-        header = (f"{'batch':>5} {'prompt':>6} {'new':>4} {'measured':>9} {'fitted':>9} "
-                  f"{'error':>6} {'analytic':>9} {'spread':>7}  set")
+        widths = [max(5, len(axis)) for axis in self.shape_axes]
+        header = (" ".join(f"{axis:>{w}}" for axis, w in zip(self.shape_axes, widths,
+                                                            strict=True))
+                  + f" {'measured':>9} {'fitted':>9} {'error':>6} {'analytic':>9} "
+                  f"{'spread':>7}  set")
         rows = [header]
         for p in self.points:
+            slots = (p.batch, p.prompt_tokens, p.new_tokens)
             rows.append(
-                f"{p.batch:>5} {p.prompt_tokens:>6} {p.new_tokens:>4} "
-                f"{p.measured_bytes / 2**20:>9.1f} {p.predicted_bytes / 2**20:>9.1f} "
+                " ".join(f"{v:>{w}}" for v, w in zip(slots, widths, strict=True))
+                + f" {p.measured_bytes / 2**20:>9.1f} {p.predicted_bytes / 2**20:>9.1f} "
                 f"{relative_error(p.predicted_bytes, p.measured_bytes):>6.1%} "
                 f"{p.analytic_bytes / 2**20:>9.1f} {p.spread_bytes / 2**20:>7.1f}  "
                 f"{'held-out' if p.held_out else 'fit'}")
@@ -178,7 +188,7 @@ def load_profile(path: str | Path) -> MemoryProfile | None:
 
 def measure_peaks(run: Callable[[int, int, int], Any], probe: DeviceProbe,
                   shapes: list[Shape], on_progress: Callable[[str], None] = logger.info,
-                  ) -> list[tuple[int, int]]:
+                  shape_axes: tuple[str, ...] = TOKEN_AXES) -> list[tuple[int, int]]:
     """Run each shape ``probe.repeats`` times; return ``(median, max - min)`` of its peak
     bytes above the pre-run baseline, per shape. The median, because a noisy probe's single
     readings stray both ways (see :class:`~serve_app.memory.probes.HostMemoryProbe`)."""
@@ -194,8 +204,9 @@ def measure_peaks(run: Callable[[int, int, int], Any], probe: DeviceProbe,
         results.append((median, max(readings) - min(readings)))
         spread = (f" (spread {results[-1][1] / 2**20:.1f} MiB over {len(readings)} runs)"
                   if len(readings) > 1 else "")
-        on_progress(f"profiled {i}/{len(shapes)}: batch={shape[0]} prompt={shape[1]} "
-                    f"new={shape[2]} peak={median / 2**20:.1f} MiB{spread} "
+        size = " ".join(f"{axis}={value}" for axis, value in zip(shape_axes, shape,
+                                                                    strict=True))
+        on_progress(f"profiled {i}/{len(shapes)}: {size} peak={median / 2**20:.1f} MiB{spread} "
                     f"({time.monotonic() - started:.2f} s)")
     return results
 
@@ -203,13 +214,14 @@ def measure_peaks(run: Callable[[int, int, int], Any], probe: DeviceProbe,
 def profile_memory(run: Callable[[int, int, int], Any], probe: DeviceProbe,
                    analytic: CostModel | None, *, features: tuple[str, ...],
                    ladder: tuple[list[Shape], list[Shape]], task: str, model_path: str,
-                   held_bytes: int,
+                   held_bytes: int, shape_axes: tuple[str, ...] = TOKEN_AXES,
                    on_progress: Callable[[str], None] = logger.info) -> MemoryProfile:
     """Measure the shapes of ``ladder`` (``(fitted, held out)``, from the engine's
     :func:`profile_ladder`), fit the cost model over ``features``, check it on the held-out
     shapes. One warm-up run of the smallest shape first: first calls allocate lazily (thread
     pools, kernels) and would read as request memory. ``analytic``: the cross-check shown
-    beside each point (``None``: shown as 0).
+    beside each point (``None``: shown as 0). ``shape_axes``: what the engine's three shape
+    slots mean (``Engine.shape_axes``), recorded in the profile and shown in its table.
 
     Raises:
         ValueError: the measurements are all zero (the probe sees nothing; fix the probe).
@@ -217,7 +229,7 @@ def profile_memory(run: Callable[[int, int, int], Any], probe: DeviceProbe,
     started = time.monotonic()
     train, held_out = ladder
     run(*train[0])
-    measured = measure_peaks(run, probe, train + held_out, on_progress)
+    measured = measure_peaks(run, probe, train + held_out, on_progress, shape_axes)
     peaks = [median for median, _ in measured]
     train_peaks, held_peaks = peaks[:len(train)], peaks[len(train):]
     if not any(peaks):
@@ -239,4 +251,4 @@ def profile_memory(run: Callable[[int, int, int], Any], probe: DeviceProbe,
     return MemoryProfile(device=probe.device, method=probe.method, task=task,
                          model_path=model_path, capacity_bytes=probe.capacity_bytes(),
                          held_bytes=held_bytes, cost_model=fitted, points=points,
-                         duration_s=time.monotonic() - started)
+                         duration_s=time.monotonic() - started, shape_axes=tuple(shape_axes))

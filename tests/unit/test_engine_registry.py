@@ -10,6 +10,7 @@ from deployments.engines.embeddings import EmbeddingEngine
 from deployments.engines.fake import FakeEngine
 from deployments.engines.generation import GenerationEngine
 from deployments.engines.registry import BUILTIN_ENGINES, engine_class
+from deployments.engines.transcribe import TranscribeEngine
 from serve_app.config import ConfigError, parse_args
 
 
@@ -24,7 +25,7 @@ class NoKindsEngine(Engine):
 
 
 class UnknownKindEngine(Engine):
-    kinds = ("transcribe",)
+    kinds = ("rerank",)
 
 
 def problems(raw: dict) -> list[str]:
@@ -37,13 +38,15 @@ def problems(raw: dict) -> list[str]:
 
 
 def test_each_task_names_its_builtin_engine() -> None:
-    assert set(BUILTIN_ENGINES) == {"embed", "generate", "fake"}
+    assert set(BUILTIN_ENGINES) == {"embed", "generate", "fake", "transcribe"}
     assert engine_class(parse_args({})) is EmbeddingEngine
     assert engine_class(parse_args({"model": {"task": "fake"}})) is FakeEngine
     assert engine_class(parse_args({"model": {"task": "generate", "path": "/lm"}})) is \
         GenerationEngine
     # model.engine wins over model.task
     assert engine_class(parse_args({"model": {"task": "embed", "engine": "fake"}})) is FakeEngine
+    assert engine_class(parse_args({"model": {"engine": "transcribe", "path": "/whisper"}})) \
+        is TranscribeEngine
 
 
 def test_an_import_path_loads_your_own_engine_class() -> None:
@@ -53,12 +56,12 @@ def test_an_import_path_loads_your_own_engine_class() -> None:
 
 
 @pytest.mark.parametrize(("engine", "says"), [
-    ("bert", "unknown engine 'bert': use one of ['embed', 'fake', 'generate']"),
+    ("bert", "unknown engine 'bert': use one of ['embed', 'fake', 'generate', 'transcribe']"),
     ("no_such_module_here:Engine", "cannot import the engine no_such_module_here:Engine"),
     (f"{__name__}:Missing", f"cannot import the engine {__name__}:Missing"),
     (f"{__name__}:problems", "is not a subclass of deployments.engines.base.Engine"),
     (f"{__name__}:NoKindsEngine", "serves request kinds []; each must be one of"),
-    (f"{__name__}:UnknownKindEngine", "serves request kinds ['transcribe']"),
+    (f"{__name__}:UnknownKindEngine", "serves request kinds ['rerank']"),
 ])
 def test_a_bad_engine_is_named(engine: str, says: str) -> None:
     (only,) = problems({"model": {"engine": engine}})
