@@ -112,7 +112,7 @@ class TranscriptionsRoute(Route):
                                  temperature=temperature, response_format=response_format,
                                  file_sha256=hashlib.sha256(data).hexdigest())
         form._data = data
-        return await self.handle(form, request)
+        return await self.dispatch(form, request)
 
     async def handle(self, body: TranscriptionForm, request: Request) -> Response:
         """As :meth:`Route.handle`, without jobs; a ``text`` reply as ``text/plain``."""

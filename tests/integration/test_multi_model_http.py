@@ -2,25 +2,35 @@
 
 Three fake models at ``num_gpus: 0.5`` are placed on the session's two declared GPUs, each
 replica budgeting at most its share; a request goes to the model its ``model`` names; every
-metric carries the model. Then the packaged MiniLM and a tiny causal LM are served by one app
-and the official ``openai`` client calls both through one base URL, their answers checked
-against ``SentenceTransformer.encode`` and the chat route's own reference path."""
+metric carries the model. Then the packaged MiniLM, a tiny causal LM and a tiny Whisper are
+served by one app and the official ``openai`` client calls all three through one base URL,
+their answers checked against ``SentenceTransformer.encode``, greedy determinism and
+transformers' own Whisper ``generate``."""
 
 from __future__ import annotations
 
 import collections
+import io
 
 import httpx
 import numpy as np
 import openai
 import pytest
+import soundfile
 from sentence_transformers import SentenceTransformer
 
 from deployments.fail_fast import DeploymentRefused
 from serve_app.app import build_app
 from serve_app.config import PACKAGED_NAME, parse_args
 from tests.model_dirs import build_causal_lm
-from tests.support import settled_scrape, total
+from tests.support import (
+    build_tiny_whisper,
+    by_label,
+    settled_scrape,
+    tone,
+    total,
+    whisper_reference,
+)
 
 CARD_BYTES = 16 << 30
 NAMES = ("embedder", "chat", "speech")
@@ -84,16 +94,28 @@ def test_three_half_gpu_models_share_two_cards_and_answer_by_name(deploy):
 
 
 @pytest.fixture(scope="module")
-def chat_dir(tmp_path_factory):
-    return build_causal_lm(tmp_path_factory.mktemp("multi") / "tiny-chat", "llama3")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("multi")
+    return (build_causal_lm(root / "tiny-chat", "llama3"),
+            build_tiny_whisper(root / "tiny-whisper"))
 
 
-def test_the_openai_client_calls_an_embedder_and_a_chat_model_through_one_url(
-        deploy, chat_dir):
+def _wav(audio: np.ndarray) -> bytes:
+    file = io.BytesIO()
+    soundfile.write(file, audio, 16_000, format="WAV")
+    return file.getvalue()
+
+
+def test_the_openai_client_calls_an_embedder_a_chat_model_and_whisper_through_one_url(
+        deploy, model_dirs):
+    chat_dir, whisper_dir = model_dirs
     app = deploy({"limits": {"max_input_tokens": 64, "max_tokens": 8},
                   "models": [{"model": {"task": "embed", "device": "cpu"}},
                              {"model": {"task": "generate", "name": "tiny-chat",
-                                        "path": str(chat_dir), "device": "cpu"}}]})
+                                        "path": str(chat_dir), "device": "cpu"}},
+                             {"model": {"engine": "transcribe", "name": "tiny-whisper",
+                                        "path": str(whisper_dir), "device": "cpu"},
+                              "limits": {"max_audio_s": 20}}]})
     client = openai.OpenAI(base_url=f"{app.base_url}/v1", api_key="unused", max_retries=0)
     texts = ["the quick brown fox", "memory is the limit"]
     embedded = client.embeddings.create(model=PACKAGED_NAME, input=texts)
@@ -110,5 +132,14 @@ def test_the_openai_client_calls_an_embedder_and_a_chat_model_through_one_url(
     assert completion.choices[0].text == again.choices[0].text  # greedy: one answer
     with pytest.raises(openai.NotFoundError, match="does not serve /v1/completions"):
         client.completions.create(model=PACKAGED_NAME, prompt="x", max_tokens=1)
-    assert [m.id for m in client.models.list()] == [PACKAGED_NAME, "tiny-chat"]
+    audio = tone(7, 330)
+    heard = client.audio.transcriptions.create(model="tiny-whisper", file=("a.wav", _wav(audio)),
+                                               language="en")
+    assert heard.text == whisper_reference(whisper_dir, audio, "en")
+    assert [m.id for m in client.models.list()] == [PACKAGED_NAME, "tiny-chat", "tiny-whisper"]
+    # Each model's series apart: one admitted request each (two for the chat model).
+    samples = settled_scrape(app.base_url, lambda s: by_label(
+        s, "vramgate_admission_decisions_total", "model"))
+    assert by_label(samples, "vramgate_admission_decisions_total", "model") == {
+        PACKAGED_NAME: 1.0, "tiny-chat": 2.0, "tiny-whisper": 1.0}
     app.check_invariants()

@@ -9,12 +9,8 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
-from deployments.engines.registry import engine_class
-from deployments.ingress import Ingress
-from deployments.routes import ROUTES, RouteContext
-from deployments.served_models import ModelFront, ServedModels
 from serve_app.config import PACKAGED_NAME, parse_args
-from serve_app.metrics import ProcessMetrics
+from tests.ingress_parts import ingress_app
 
 
 class StandInReplicas:
@@ -30,16 +26,8 @@ class StandInReplicas:
 @pytest.fixture()
 def ingress() -> Iterator[tuple[TestClient, StandInReplicas]]:
     args = parse_args({"model": {"task": "fake"}, "auth": {"api_key": "k"}})
-    replica = object.__new__(Ingress.func_or_class)  # no Ray: the parts the routes read
     replicas = StandInReplicas()
-    engine = engine_class(args)
-    replica._models = ServedModels()
-    context = RouteContext(args, None, None, None, None, replica._models)
-    routes = {R.path: R(context) for R in ROUTES if R.kind in engine.kinds}
-    replica._models.add(ModelFront(args, engine, None, replicas, None, routes, None))
-    replica._args, replica._jobs = args, None
-    replica._metrics = ProcessMetrics("Ingress", "test", use_ray=False)
-    with TestClient(replica.__serve_build_asgi_app__()) as client:
+    with TestClient(ingress_app(args, replicas)) as client:
         yield client, replicas
 
 

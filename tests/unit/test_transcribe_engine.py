@@ -18,15 +18,14 @@ from deployments.engines.audio import decode_audio
 from deployments.engines.registry import engine_class
 from deployments.engines.transcribe import TranscribeEngine
 from deployments.idempotency_guard import IdempotencyGuard
-from deployments.ingress import Ingress
 from deployments.request_factory import RequestFactory
-from deployments.routes import ROUTES, RouteContext
 from serve_app.config import parse_args
 from serve_app.errors import BodyTooLargeError, InvalidRequestError
 from serve_app.kinds import KINDS, audio_frames
 from serve_app.memory.cost_model import Shape
 from serve_app.metrics import ProcessMetrics
 from serve_app.request import InferenceRequest, TranscriptionParams
+from tests.ingress_parts import ingress_app
 from tests.support import WHISPER_LANGUAGES, build_tiny_whisper, tone, whisper_reference
 
 RATE_HZ = 16_000
@@ -140,15 +139,11 @@ def http(whisper_dir):
     args = parse_args({"model": {"engine": "transcribe", "path": str(whisper_dir),
                                  "name": "tiny-whisper"},
                        "limits": {"max_audio_bytes": 400_000, "max_audio_s": 10}})
-    ingress = object.__new__(Ingress.func_or_class)  # no Ray: the parts the routes read
-    ingress._args, ingress._engine = args, engine_class(args)
     metrics = ProcessMetrics("Ingress", "test", use_ray=False)
-    ingress._metrics, ingress._jobs = metrics, None
-    front_end = ingress._engine.front_end(args)
+    front_end = engine_class(args).front_end(args)
     guard = IdempotencyGuard(None, None, 1.0, metrics)
-    context = RouteContext(args, RequestFactory(args, front_end), None, guard)
-    ingress._route_list = [R(context) for R in ROUTES if R.kind in ingress._engine.kinds]
-    with TestClient(ingress.__serve_build_asgi_app__(), raise_server_exceptions=False) as client:
+    app = ingress_app(args, factory=RequestFactory(args, front_end), guard=guard)
+    with TestClient(app, raise_server_exceptions=False) as client:
         yield client
 
 
