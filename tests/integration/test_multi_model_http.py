@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import io
+import time
 
 import httpx
 import numpy as np
@@ -71,6 +72,14 @@ def test_three_half_gpu_models_share_two_cards_and_answer_by_name(deploy):
         sent = {"embedder": 1, "chat": 3, "speech": 1}
         answered = {name: [http.post("/v1/embeddings", json={"model": name, "input": ["a b"]})
                            for _ in range(count)] for name, count in sent.items()}
+        # A job goes to the named model's queue and is found by its id alone.
+        jobs = {name: http.post("/v1/jobs", json={"route": "/v1/embeddings", "body": {
+            "model": name, "input": ["a b"]}}).json()["id"] for name in ("speech", "chat")}
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and any(
+                http.get(f"/v1/jobs/{i}").json()["status"] != "succeeded" for i in jobs.values()):
+            time.sleep(0.2)
+        done = {name: http.get(f"/v1/jobs/{i}").json() for name, i in jobs.items()}
         unknown = http.post("/v1/embeddings", json={"model": "nope", "input": "a"})
         unnamed = http.post("/v1/embeddings", json={"input": "a"})
         status = http.get("/v1/status").json()
@@ -78,6 +87,8 @@ def test_three_half_gpu_models_share_two_cards_and_answer_by_name(deploy):
     assert {name: [(r.status_code, r.json()["model"]) for r in responses]
             for name, responses in answered.items()} == {
         name: [(200, name)] * count for name, count in sent.items()}
+    assert {name: (job["status"], job["result"]["model"]) for name, job in done.items()} == {
+        "speech": ("succeeded", "speech"), "chat": ("succeeded", "chat")}
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
     assert "['embedder', 'chat', 'speech']" in unknown.json()["error"]["message"]
     assert unnamed.status_code == 400 and unnamed.json()["error"]["code"] == "model"
@@ -88,7 +99,9 @@ def test_three_half_gpu_models_share_two_cards_and_answer_by_name(deploy):
                             outcome="admitted", model=name) for name in NAMES}
 
     samples = settled_scrape(app.base_url, admitted)
-    assert admitted(samples) == {name: float(count) for name, count in sent.items()}
+    jobs_run = {"embedder": 0, "chat": 1, "speech": 1}
+    assert admitted(samples) == {name: float(count + jobs_run[name])
+                                 for name, count in sent.items()}
     assert total(samples, "vramgate_http_requests_total", route="/v1/embeddings",
                  status="200", model="chat") == 3.0
 

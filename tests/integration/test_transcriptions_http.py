@@ -6,6 +6,7 @@ concurrent transcriptions leave nothing leased."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import io
 
 import httpx
@@ -18,6 +19,8 @@ from deployments.engines.transcribe import TranscribeEngine
 from tests.support import build_tiny_whisper, tone, whisper_reference
 
 NAME = "tiny-whisper"
+# 20 concurrent uploads of mixed durations, seconds: one window, a few, and two windows.
+DURATIONS_S = (3, 17, 45, 5, 29, 8, 12, 1, 33, 21) * 2
 
 
 def wav(audio: np.ndarray, rate_hz: int = 16_000, fmt: str = "WAV") -> bytes:
@@ -88,7 +91,9 @@ async def test_concurrent_transcriptions_are_admitted_and_leave_nothing_leased(a
         responses = await asyncio.gather(*(
             http.post("/v1/audio/transcriptions", data={"language": "en"},
                       files={"file": ("a.wav", wav(tone(seconds, 300 + 50 * i)))})
-            for i, seconds in enumerate((3, 17, 45, 5, 29, 8))))
+            for i, seconds in enumerate(DURATIONS_S)))
+    print(f"\n{len(responses)} concurrent uploads: "
+          f"{sorted(collections.Counter(r.status_code for r in responses).items())}")
     assert {r.status_code for r in responses} <= {200, 503}, [r.text for r in responses]
     assert any(r.status_code == 200 for r in responses)
     for r in responses:
