@@ -135,7 +135,20 @@ def padded(input_ids: Sequence[Sequence[int]], pad_id: int,
     return {"input_ids": ids, "attention_mask": mask}
 
 
-class HFEngine(Engine):
+class ModelDirectoryEngine(Engine):
+    """An engine that loads the model directory ``model.path``: it is named, and its
+    profiles recorded, by that directory."""
+
+    @classmethod
+    def describe(cls, args: AppArgs) -> str:
+        return f"{args.model.name} ({args.model.resolved_path()})"
+
+    @classmethod
+    def profile_identity(cls, args: AppArgs) -> str:
+        return str(args.model.resolved_path())
+
+
+class HFEngine(ModelDirectoryEngine):
     """A loaded Hugging Face model directory; the embedding and generation engines build on
     it.
 
@@ -211,14 +224,6 @@ class HFEngine(Engine):
         refusal = unsupported_config(config)
         if refusal:
             raise config_error("model.path", f"{path}: {refusal}")
-
-    @classmethod
-    def describe(cls, args: AppArgs) -> str:
-        return f"{args.model.name} ({args.model.resolved_path()})"
-
-    @classmethod
-    def profile_identity(cls, args: AppArgs) -> str:
-        return str(args.model.resolved_path())
 
     @classmethod
     def analytic_costs(cls, args: AppArgs) -> tuple[AnalyticCostModel, int]:

@@ -25,8 +25,9 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from deployments.engines.base import Engine, FrontEndDefaults
+from deployments.engines.base import FrontEndDefaults
 from deployments.engines.devices import resolve_dtype
+from deployments.engines.hf import ModelDirectoryEngine
 from serve_app.config import AppArgs, config_error
 from serve_app.errors import InvalidRequestError
 from serve_app.kinds import AUDIO_HOP_SAMPLES, AUDIO_WINDOW_FRAMES
@@ -111,7 +112,7 @@ class WhisperFrontEnd(FrontEndDefaults):
                                   / AUDIO_SAMPLE_RATE_HZ}}
 
 
-class TranscribeEngine(Engine):
+class TranscribeEngine(ModelDirectoryEngine):
     """A loaded Whisper model serving ``transcribe`` requests (see module docstring).
 
     Args:
@@ -161,14 +162,6 @@ class TranscribeEngine(Engine):
         if model_type != "whisper":
             raise config_error("model.path", f"{config} is not a Whisper model (model_type "
                                f"{model_type!r}, not 'whisper')")
-
-    @classmethod
-    def describe(cls, args: AppArgs) -> str:
-        return f"{args.model.name} ({args.model.resolved_path()})"
-
-    @classmethod
-    def profile_identity(cls, args: AppArgs) -> str:
-        return str(args.model.resolved_path())
 
     @classmethod
     def load(cls, args: AppArgs, device: str) -> TranscribeEngine:
