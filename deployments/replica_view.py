@@ -4,6 +4,7 @@ the ingress derives from them (a request's price for the router, a cluster-wide
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -19,11 +20,18 @@ from serve_app.replica_state import ReplicaState
 logger = logging.getLogger("ray.serve")
 
 STATUS_CACHE_S = 0.5
-"""How old a snapshot may be: refusals under load must not flood the registry."""
+"""How old a snapshot may be before it is fetched again: refusals under load must not flood
+the registry."""
+STALE_WHILE_FETCHING_S = 2.0
+"""How old a snapshot may be and still be used while a newer one is being fetched, so that
+under load no request waits for the registry (a fetch is one Ray call, tens of milliseconds
+on a busy node); older than this (after a quiet spell), requests wait for the fetch."""
 
 
 class ReplicaView:
-    """The registry's snapshot of the model replicas' states, at most ``STATUS_CACHE_S`` old.
+    """The registry's snapshot of the model replicas' states, fetched again once it is
+    ``STATUS_CACHE_S`` old, by one fetch at a time however many requests ask meanwhile; a
+    snapshot up to ``STALE_WHILE_FETCHING_S`` old is used while the next one is on its way.
 
     Args:
         registry: handle to :class:`deployments.registry.ReplicaRegistry`.
@@ -42,22 +50,30 @@ class ReplicaView:
         self._fallback_s, self._clock = fallback_retry_after_s, clock
         self._states: list[ReplicaState] = []
         self._taken_at = -float("inf")
+        self._fetching: asyncio.Future[None] | None = None
 
     async def states(self) -> list[ReplicaState]:
         """Every live model replica's last published state (``[]`` while the registry is
         unavailable: no replicas, not a 500)."""
-        now = self._clock()
-        if now - self._taken_at >= STATUS_CACHE_S:
-            try:
-                states = await self._registry.snapshot.remote()
-                self._states = [s for s in states
-                                if self._model is None or s.model == self._model]
-            except Exception as exc:  # the registry restarting
-                logger.warning("replica registry unavailable: %s",
-                               as_serve_app_error(exc).message)
-                self._states = []
-            self._taken_at = now
+        age_s = self._clock() - self._taken_at
+        if age_s < STATUS_CACHE_S:
+            return self._states
+        if self._fetching is None:
+            self._fetching = asyncio.ensure_future(self._fetch())
+        if age_s >= STALE_WHILE_FETCHING_S:
+            await asyncio.shield(self._fetching)  # a caller leaving does not stop the fetch
         return self._states
+
+    async def _fetch(self) -> None:
+        started = self._clock()
+        try:
+            states = await self._registry.snapshot.remote()
+            self._states = [s for s in states if self._model is None or s.model == self._model]
+        except Exception as exc:  # the registry restarting
+            logger.warning("replica registry unavailable: %s", as_serve_app_error(exc).message)
+            self._states = []
+        finally:
+            self._taken_at, self._fetching = started, None
 
     async def estimate(self, shape: Shape) -> int | None:
         """A request of ``shape``'s price for the budget-aware router: what the replicas'

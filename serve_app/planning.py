@@ -14,8 +14,11 @@ is ``budget // price of one P95 request``, from, in order of preference:
    through :class:`~serve_app.memory.cost_model.AnalyticCostModel` (for the fake engine: its
    configured, exact costs).
 
-Either way each replica still measures its own device at start-up and is the authority on
-admission; these figures only size Ray Serve's per-replica cap.
+Ray Serve's per-replica cap, ``max_ongoing_requests``, is what a replica may hold admitted
+at once plus its FIFO (``admission.max_queue_len``); under the budget policy the former is
+``budget // price of the smallest request``, so that the cap never binds before the budget
+does. Either way each replica still measures its own device at start-up and is the authority
+on admission; these figures only size Ray Serve's per-replica cap.
 """
 
 from __future__ import annotations
@@ -44,6 +47,10 @@ logger = logging.getLogger(__name__)
 # built (a GPU replica planned on a CPU-only head node, without memory.capacity_bytes).
 FALLBACK_MAX_RUNNING = 32
 MAX_ONGOING_REQUESTS_CAP = 1024
+OVERRIDE = "deployment.max_ongoing_requests"
+SMALLEST_SHAPE = Shape(1, 1, 0)
+"""The smallest request of any kind (one input of one token, or one audio frame; nothing
+generated): its price bounds how many requests the budget admits at once."""
 # A recommended num_gpus is a whole number of these steps of one card (1/20 = 0.05).
 GPU_SHARE_STEPS_PER_CARD = 20
 
@@ -87,9 +94,10 @@ class DeploymentPlan:
     Attributes:
         num_gpus: GPU share per replica (``deployment.num_gpus``).
         max_ongoing_requests: Ray Serve's per-replica cap:
-            ``min(MAX_ONGOING_REQUESTS_CAP, max_running_estimate + admission.max_queue_len)``
+            ``min(MAX_ONGOING_REQUESTS_CAP, max_admitted_estimate + admission.max_queue_len)``
             (or ``deployment.max_ongoing_requests`` when set), so waiting happens in the
-            replica's FIFO (which prices and times out) rather than unseen at the caller.
+            replica's FIFO (which prices, tells positions and refuses at once what would
+            wait in vain) rather than unseen at the caller.
         max_queued_requests: Ray Serve's bound on requests waiting at each caller (the
             ingress) for a free slot: ``admission.max_queue_len x num_replicas`` (``x
             max_replicas`` when autoscaling: the queue the grown deployment holds, so a burst
@@ -98,6 +106,12 @@ class DeploymentPlan:
             such requests would wait unbounded and unseen.
         max_running_estimate: requests a replica runs at once: ``admission.semaphore_permits``
             under the semaphore policy, else ``max(1, budget_bytes // request_bytes)``.
+        max_admitted_estimate: requests a replica may hold admitted at once (leased:
+            running or waiting for their pass): under the budget policy ``budget_bytes //``
+            the price of the smallest request (:data:`SMALLEST_SHAPE`), at least
+            ``max_running_estimate``; the permits under the semaphore policy;
+            ``max_running_estimate`` without a gate.
+        admitted_set_by: what sets ``max_admitted_estimate``, in words.
         how: one line saying where the estimate came from.
         budget_bytes: the replica budget the estimate assumed, bytes (``None``: unknown here).
         request_bytes: the price of one P95 request (:func:`p95_request_shapes`), bytes
@@ -117,6 +131,8 @@ class DeploymentPlan:
     max_queued_requests: int
     max_running_estimate: int
     how: str
+    max_admitted_estimate: int = 1
+    admitted_set_by: str = "running at once"
     budget_bytes: int | None = None
     request_bytes: int | None = None
     min_num_gpus: float | None = None
@@ -129,9 +145,20 @@ class DeploymentPlan:
         return {"num_gpus": self.num_gpus, "max_ongoing_requests": self.max_ongoing_requests,
                 "max_queued_requests": self.max_queued_requests,
                 "max_running_estimate": self.max_running_estimate,
+                "max_admitted_estimate": self.max_admitted_estimate,
                 "budget_bytes": self.budget_bytes, "request_bytes": self.request_bytes,
                 "recommended_num_gpus": self.min_num_gpus, "how": self.how,
                 "measurement": self.measurement}
+
+    def ongoing_text(self, queue: int) -> str:
+        """Where ``max_ongoing_requests`` came from, in words (``vramgate plan`` and
+        ``profile``); ``queue``: ``admission.max_queue_len``."""
+        if self.how == OVERRIDE:
+            return OVERRIDE
+        capped = (f", capped at {MAX_ONGOING_REQUESTS_CAP}"
+                  if self.max_ongoing_requests < self.max_admitted_estimate + queue else "")
+        return (f"{self.max_admitted_estimate} admitted ({self.admitted_set_by}) + {queue} "
+                f"queued (admission.max_queue_len){capped}")
 
 
 def plan_deployment(args: AppArgs, engine: EngineSpec,
@@ -164,7 +191,7 @@ def plan_deployment(args: AppArgs, engine: EngineSpec,
             or _analytic_plan(args, engine))
     if args.deployment.max_ongoing_requests is not None:
         plan = replace(plan, max_ongoing_requests=args.deployment.max_ongoing_requests,
-                       how="deployment.max_ongoing_requests")
+                       how=OVERRIDE)
     return plan
 
 
@@ -204,7 +231,8 @@ def plan_from_profile(args: AppArgs, profile: MemoryProfile, kinds: Sequence[str
                                  min_request_bytes=min_budget_bytes,
                                  override_bytes=mem.budget_bytes)
     price = p95_request_bytes(args, kinds, profile.cost_model)
-    plan = _plan(args, max_running_requests(budget, price), source, budget, price)
+    plan = _plan(args, max_running_requests(budget, price), source, budget, price,
+                 max_running_requests(budget, shape_bytes(profile.cost_model, SMALLEST_SHAPE)))
     if profile_device_kind(profile) == "cpu":
         share = 0.0
     elif card_bytes is None:
@@ -260,13 +288,17 @@ def gpu_share_for(budget_bytes: int, held_bytes: int, args: AppArgs, card_bytes:
 
 
 def _plan(args: AppArgs, running_by_memory: int, how: str, budget_bytes: int | None = None,
-          request_bytes: int | None = None) -> DeploymentPlan:
+          request_bytes: int | None = None,
+          smallest_by_memory: int | None = None) -> DeploymentPlan:
     queue = args.admission.max_queue_len
-    running, set_by = policy_class(args.admission.policy).running_estimate(
-        args.admission, running_by_memory)
+    policy = policy_class(args.admission.policy)
+    running, set_by = policy.running_estimate(args.admission, running_by_memory)
+    admitted, admitted_by = policy.admitted_estimate(args.admission, running,
+                                                     smallest_by_memory)
     return DeploymentPlan(
         num_gpus=args.deployment.num_gpus,
-        max_ongoing_requests=max(1, min(MAX_ONGOING_REQUESTS_CAP, running + queue)),
+        max_ongoing_requests=max(1, min(MAX_ONGOING_REQUESTS_CAP, admitted + queue)),
+        max_admitted_estimate=admitted, admitted_set_by=admitted_by,
         max_queued_requests=max(1, queue * (args.deployment.max_replicas
                                             or args.deployment.num_replicas)),
         max_running_estimate=running, how=set_by or how, budget_bytes=budget_bytes,
@@ -324,4 +356,5 @@ def _analytic_plan(args: AppArgs, engine: EngineSpec) -> DeploymentPlan:
                                       mem.safety_factor)
     price = p95_request_bytes(args, engine.kinds, cost_model)
     return _plan(args, max_running_requests(budget, price), f"analytic estimate from {source}",
-                 budget, price)
+                 budget, price,
+                 max_running_requests(budget, shape_bytes(cost_model, SMALLEST_SHAPE)))

@@ -28,7 +28,6 @@ from serve_app.memory.budget import InsufficientMemoryError
 from serve_app.memory.cost_model import TOKEN_AXES
 from serve_app.placement import gpu_packing, packing_problem
 from serve_app.planning import (
-    MAX_ONGOING_REQUESTS_CAP,
     DeploymentPlan,
     p95_request_shapes,
     plan_deployment,
@@ -152,7 +151,7 @@ def plan_lines(title: str, args: AppArgs, engine: EngineSpec,
         f"  P95 request:          {p95}: " + (
             bytes_text(plan.request_bytes) if plan.request_bytes is not None else "unknown"),
         f"  running at once:      {plan.max_running_estimate}   ({plan.running_set_by})",
-        f"  max_ongoing_requests: {plan.max_ongoing_requests}   ({_ongoing_why(args, plan)})",
+        f"  max_ongoing_requests: {plan.max_ongoing_requests}   ({plan.ongoing_text(queue)})",
         f"  max_queued_requests:  {plan.max_queued_requests}   (admission.max_queue_len "
         f"{queue} x {_replicas(dep.max_replicas or dep.num_replicas)}, at each caller)",
         f"  from:                 {plan.how}",
@@ -165,16 +164,6 @@ def plan_lines(title: str, args: AppArgs, engine: EngineSpec,
 
 def _replicas(count: int) -> str:
     return f"{count} replica" + ("" if count == 1 else "s")
-
-
-def _ongoing_why(args: AppArgs, plan: DeploymentPlan) -> str:
-    if args.deployment.max_ongoing_requests is not None:
-        return "deployment.max_ongoing_requests"
-    queue = args.admission.max_queue_len
-    capped = (f", capped at {MAX_ONGOING_REQUESTS_CAP}"
-              if plan.max_ongoing_requests < plan.max_running_estimate + queue else "")
-    return (f"{plan.max_running_estimate} running + {queue} queued "
-            f"(admission.max_queue_len){capped}")
 
 
 def shape_text(shape: tuple[int, int, int], axes: tuple[str, ...] = TOKEN_AXES) -> str:

@@ -22,7 +22,6 @@ from serve_app.cli.validate import load_args
 from serve_app.config import AppArgs
 from serve_app.measurement import ALLOCATOR_ENV
 from serve_app.planning import (
-    MAX_ONGOING_REQUESTS_CAP,
     DeploymentPlan,
     p95_request_shapes,
     plan_from_profile,
@@ -167,12 +166,10 @@ def _recommendation_lines(args: AppArgs, plan: DeploymentPlan) -> list[str]:
                 f"{plan.max_running_estimate} P95 requests")
         if plan.min_num_gpus > 1:
             gpus += " (more than one card: lower the concurrency or the P95 request)"
-    capped = (f", capped at {MAX_ONGOING_REQUESTS_CAP}"
-              if plan.max_ongoing_requests < plan.max_running_estimate + queue else "")
     lines = [
         f"recommended deployment options (admission.policy {args.admission.policy}):",
-        f"  max_ongoing_requests: {plan.max_ongoing_requests}   # {running} + {queue} queued "
-        f"(admission.max_queue_len){capped}",
+        f"  max_ongoing_requests: {plan.max_ongoing_requests}   # "
+        f"{plan.ongoing_text(queue)}; {running}",
         f"  budget_bytes: {plan.budget_bytes}   # {plan.budget_bytes / 2**20:.1f} MiB",
         f"  num_gpus: {gpus}",
     ]

@@ -20,7 +20,7 @@ from serve_app.cli.serve_config import read_application
 from serve_app.config import parse_args
 from serve_app.memory.budget import InsufficientMemoryError
 from serve_app.memory.profiler import MemoryProfile
-from serve_app.planning import plan_deployment, plan_from_profile
+from serve_app.planning import MAX_ONGOING_REQUESTS_CAP, plan_deployment, plan_from_profile
 
 REPO = Path(__file__).resolve().parents[2]
 OURS = "serve_app.app:build_app"
@@ -198,8 +198,10 @@ def test_profile_the_packaged_minilm(tmp_path: Path) -> None:
                for key in ("max_ongoing_requests", "budget_bytes", "num_gpus")}
     assert printed == {"max_ongoing_requests": str(expected.max_ongoing_requests),
                        "budget_bytes": str(expected.budget_bytes), "num_gpus": "0"}
-    assert expected.max_ongoing_requests == (expected.budget_bytes // expected.request_bytes
-                                             + args.admission.max_queue_len)
+    smallest = profile.cost_model.request_bytes(1, 1)
+    assert expected.max_ongoing_requests == min(
+        MAX_ONGOING_REQUESTS_CAP,
+        expected.budget_bytes // smallest + args.admission.max_queue_len)
     assert f"    profile_path: {out}" in stdout
     with_profile = args.model_copy(update={"memory": args.memory.model_copy(
         update={"profile_path": str(out)})})
@@ -229,7 +231,11 @@ def test_profile_the_fake_engine_recommends_a_share_of_its_card(
     assert f"  budget_bytes: {budget}" in stdout
     running = budget // profile.cost_model.request_bytes(4, 64)
     assert running == 25
-    assert f"  max_ongoing_requests: {running + 64}" in stdout
+    # Ray's cap: what the budget admits at once (the smallest request, 1 token, costs
+    # 1 MiB), capped.
+    assert budget // (1 << 20) + 64 > MAX_ONGOING_REQUESTS_CAP
+    assert f"  max_ongoing_requests: {MAX_ONGOING_REQUESTS_CAP}   # {budget // (1 << 20)} " \
+        "admitted (budget // smallest request) + 64 queued" in stdout
     # 1 GiB held + 25 x 256 MiB / 0.9 = 8135 MiB of the 16 GiB card: 0.4965, so 0.5.
     assert "  num_gpus: 0.5   # smallest 0.05 of the card" in stdout
 

@@ -216,9 +216,13 @@ def test_bodies_stay_within_the_load_test_limits() -> None:
 def test_the_runner_plans_max_ongoing_as_build_app_does() -> None:
     from loadtest.runner import config_args, planned_max_ongoing
 
-    # The load-test card: a 4.5 GiB budget holds 4 P95 requests (8 x 128 tokens at 1 MiB
-    # per token = 1 GiB), plus a queue of 64 (BENCHMARKS.md's budget row).
-    assert planned_max_ongoing(config_args("loadtest/configs/fake_small_card.yaml")) == 68
+    # The load-test card: a 4.5 GiB budget admits 4608 of the smallest request (1 token at
+    # 1 MiB), so Ray's cap is its ceiling; without a gate (policy none) the cap is the only
+    # gate: 4 P95 requests (8 x 128 tokens = 1 GiB) plus a queue of 64.
+    args = config_args("loadtest/configs/fake_small_card.yaml")
+    assert planned_max_ongoing(args) == 1024
+    assert planned_max_ongoing({**args, "admission": {**args["admission"],
+                                                      "policy": "none"}}) == 68
 
 
 def test_long_bodies_are_long_and_seeded() -> None:

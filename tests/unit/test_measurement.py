@@ -113,7 +113,10 @@ def test_a_measurement_plans_the_deployment_from_what_it_measured() -> None:
     price = 2 * MiB * 8 * 128  # P95: 8 inputs x 128 tokens
     assert (plan.budget_bytes, plan.request_bytes) == (budget, price)
     assert plan.max_running_estimate == budget // price != analytic.max_running_estimate
-    assert plan.max_ongoing_requests == budget // price + args.admission.max_queue_len
+    smallest = 2 * MiB  # 1 x 1 token
+    assert plan.max_admitted_estimate == budget // smallest
+    assert plan.max_ongoing_requests == min(planning.MAX_ONGOING_REQUESTS_CAP,
+                                            budget // smallest + args.admission.max_queue_len)
     assert plan.how == measured.describe().replace("cached ", "")
     assert plan.min_num_gpus is not None  # the card's size is known: a share is recommended
     assert planning.plan_deployment(args, FakeEngine, None) == analytic

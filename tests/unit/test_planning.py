@@ -87,7 +87,10 @@ def test_a_saved_profile_gives_budget_floordiv_price(tmp_path: Path) -> None:
     assert plan.budget_bytes == budget == 445644800
     assert plan.request_bytes == P95_PRICE == 2 * MiB
     assert plan.max_running_estimate == budget // P95_PRICE == 212
-    assert plan.max_ongoing_requests == 212 + 10
+    # Ray's cap holds what the budget admits at once: the smallest request (1 x 1 token)
+    # costs 1 MiB + 1 KiB, plus the queue.
+    assert plan.max_admitted_estimate == budget // (MiB + 1024) == 424
+    assert plan.max_ongoing_requests == 424 + 10
     assert plan.how == f"measured profile {path}"
 
 
@@ -193,7 +196,8 @@ def test_without_a_profile_the_analytic_model_prices_the_p95_request() -> None:
     plan = plan_deployment(args)
     assert (plan.budget_bytes, plan.request_bytes) == (budget, price)
     assert plan.max_running_estimate == budget // price
-    assert plan.max_ongoing_requests == budget // price + 7
+    smallest = analytic.request_bytes(1, 1)
+    assert plan.max_ongoing_requests == budget // smallest + 7
     assert plan.how == "analytic estimate from memory.capacity_bytes"
     assert plan.min_num_gpus is None
 
@@ -230,7 +234,7 @@ def test_the_semaphore_policy_runs_its_permits(tmp_path: Path, with_profile: boo
     plan = plan_deployment(args_with(path, memory={"capacity_bytes": GiB},
                                      admission={"policy": "semaphore", "semaphore_permits": 3,
                                                 "max_queue_len": 4}))
-    assert plan.max_running_estimate == 3
+    assert plan.max_running_estimate == plan.max_admitted_estimate == 3
     assert plan.max_ongoing_requests == 3 + 4
     assert plan.how == "admission.semaphore_permits"
 
