@@ -132,10 +132,14 @@ class BearerAuth:
 
     async def __call__(self, request: Request) -> None:
         """Raises AuthenticationError (401) for a missing or wrong key."""
-        if not self._api_key or request.url.path in self.PROBES:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
-                                                                  self._api_key):
+        if not self.accepts(request.url.path, request.headers.get("authorization", "")):
             raise AuthenticationError("missing or invalid API key (send Authorization: "
                                       "Bearer <key>)")
+
+    def accepts(self, path: str, authorization: str) -> bool:
+        """Whether a request to ``path`` with this ``Authorization`` header may pass."""
+        if not self._api_key or path in self.PROBES:
+            return True
+        scheme, _, given = authorization.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(),
+                                                                  self._api_key)

@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments.early_refusal import EarlyRefusalMiddleware
 from deployments.http_errors import error_response, install_error_handlers
 from deployments.http_middleware import (
     BearerAuth,
@@ -73,11 +74,14 @@ class Ingress:
     def __serve_build_asgi_app__(self) -> FastAPI:
         """Ray Serve calls this after ``__init__``; the routes close over this replica."""
         args = self._args
+        auth = BearerAuth(args.auth.resolved_key())
         app = FastAPI(title="vramgate",
                       description="Memory-budget admission for model serving on Ray Serve.",
-                      dependencies=[Depends(BearerAuth(args.auth.resolved_key()))])
+                      dependencies=[Depends(auth)])
         app.add_middleware(BodyLimitMiddleware, max_body_bytes=max(
             front.args.limits.max_body_bytes for front in self._models.fronts))
+        # Before the body is read: refusals by prediction under overload skip it.
+        app.add_middleware(EarlyRefusalMiddleware, models=self._models, auth=auth)
         app.add_middleware(HttpMetricsMiddleware, metrics=self._metrics)
         app.add_middleware(HeadMiddleware)  # outermost: the others see a GET
         install_error_handlers(app)

@@ -19,7 +19,7 @@ from serve_app.admission.calibration import WaitCalibration
 from serve_app.admission.drain import MAX_RETRY_AFTER_S
 from serve_app.errors import OverloadedError, ServeAppError
 from serve_app.metrics import ProcessMetrics
-from serve_app.request import InferenceRequest
+from serve_app.request import InferenceRequest, wait_bound_s
 from serve_app.schemas import InferenceResult
 
 
@@ -91,30 +91,41 @@ class ModelClient:
         the time it spends reaching it as queue wait).
 
         Raises:
-            OverloadedError: ``predicted_timeout``: every replica's published figures predict
-                a wait longer than the request may wait (:meth:`ReplicaView.predicted_wait_s`,
-                with this ingress's requests still waiting for a replica ahead of it, and,
-                while there are such, the median of the recent waits for a replica to take a
-                request), refused before it joins Ray Serve's queue.
+            OverloadedError: ``predicted_timeout`` (:meth:`predicted_refusal`), refused
+                before it joins Ray Serve's queue.
         """
         units = await self._replicas.estimate(request.shape)
-        if not (self._refuse_predicted or request.wait_limit_s is not None) or (
+        refusal = await self.predicted_refusal(units, request.wait_limit_s)
+        if refusal is not None:
+            raise refusal
+        return request.sent(units, time.time())
+
+    async def predicted_refusal(self, units: int | None,
+                                wait_limit_s: float | None) -> OverloadedError | None:
+        """The 503 ``predicted_timeout`` (counted in ``/metrics``) for a request of ``units``
+        whose client waits ``wait_limit_s`` at most (``None``: no limit given), when every
+        replica's published figures predict a longer wait than it may wait
+        (:meth:`ReplicaView.predicted_wait_s`, with this ingress's requests still waiting
+        for a replica ahead of it, and, while there are such, the median of the recent waits
+        for a replica to take a request); ``None`` when it may be sent. Refuses nothing with
+        ``admission.refuse_predicted_waits`` off and no client limit, nor while an
+        autoscaling deployment runs fewer than its most replicas (the replicas refuse then,
+        and count it for the autoscaler)."""
+        if not (self._refuse_predicted or wait_limit_s is not None) or (
                 self._max_replicas is not None
                 and len(await self._replicas.states()) < self._max_replicas):
-            return request.sent(units, time.time())  # the replicas refuse, and scale
+            return None
         predicted_s = await self._replicas.predicted_wait_s(units, self._unassigned_units)
         if predicted_s is not None and self._unassigned:
             predicted_s += self._assign_waits.margin_s()
-        left_s = request.wait_bound_s(self._max_queue_wait_s)
-        if predicted_s is not None and predicted_s > left_s:
-            self._metrics.inc("admission_decisions", outcome="rejected",
-                              reason="predicted_timeout")
-            raise OverloadedError(
-                f"refused at once: the predicted wait of {predicted_s:.3g} s on every model "
-                f"replica exceeds the {left_s:.3g} s this request may wait",
-                code="predicted_timeout",
-                retry_after_s=min(MAX_RETRY_AFTER_S, predicted_s - left_s))
-        return request.sent(units, time.time())
+        left_s = wait_bound_s(self._max_queue_wait_s, wait_limit_s)
+        if predicted_s is None or predicted_s <= left_s:
+            return None
+        self._metrics.inc("admission_decisions", outcome="rejected", reason="predicted_timeout")
+        return OverloadedError(
+            f"refused at once: the predicted wait of {predicted_s:.3g} s on every model "
+            f"replica exceeds the {left_s:.3g} s this request may wait",
+            code="predicted_timeout", retry_after_s=min(MAX_RETRY_AFTER_S, predicted_s - left_s))
 
     async def _wait_for_a_replica(self, response: Any, request: InferenceRequest) -> None:
         """Wait until Ray Serve has handed ``response``'s request to a replica, at most

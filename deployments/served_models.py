@@ -137,6 +137,10 @@ class ServedModels:
         return [next(front.routes[path] for front in self.fronts if path in front.routes)
                 for path in self.paths()]
 
+    def serving(self, path: str) -> list[ModelFront]:
+        """The models whose inference routes include ``path``, in config order."""
+        return [front for front in self.fronts if path in front.routes]
+
     def route(self, path: str, requested: str | None) -> Route:
         """The route at ``path`` of the model ``requested`` names; with no ``model``, of the
         one model that serves ``path``.
@@ -146,7 +150,7 @@ class ServedModels:
                 (404, naming what is served).
             InvalidRequestError: no ``model`` while several models serve ``path`` (400).
         """
-        serving = [front for front in self.fronts if path in front.routes]
+        serving = self.serving(path)
         if requested is None:
             if len(serving) == 1:
                 return serving[0].routes[path]

@@ -125,9 +125,7 @@ class InferenceRequest:
     def wait_bound_s(self, max_queue_wait_s: float) -> float:
         """The longest this request may wait before it starts, in all, seconds: the
         replica's ``admission.max_queue_wait_s``, or the client's shorter limit."""
-        if self.wait_limit_s is None:
-            return max_queue_wait_s
-        return min(max_queue_wait_s, self.wait_limit_s)
+        return wait_bound_s(max_queue_wait_s, self.wait_limit_s)
 
     @property
     def token_counts(self) -> list[int]:
@@ -208,3 +206,9 @@ class TranscriptionOutput:
     def finite(self) -> bool:
         """Text carries no NaN: always ``True``."""
         return True
+
+
+def wait_bound_s(max_queue_wait_s: float, wait_limit_s: float | None) -> float:
+    """The longest a request may wait before it starts, seconds: ``max_queue_wait_s``
+    (``admission.max_queue_wait_s``), or the client's shorter ``wait_limit_s``."""
+    return max_queue_wait_s if wait_limit_s is None else min(max_queue_wait_s, wait_limit_s)

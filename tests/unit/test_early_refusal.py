@@ -1,0 +1,108 @@
+"""Under overload the ingress refuses by prediction before it reads the body: a request that
+could not start in time whatever its body gets 503 ``predicted_timeout`` from its headers
+alone (shown here with a body that is not even JSON). Keyed, asynchronous and
+unauthenticated requests go the normal way. The ingress's FastAPI app, built without Ray,
+with a real :class:`ModelClient` over a real :class:`ReplicaView` whose registry stand-in
+publishes one replica's state."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+
+from deployments.model_client import ModelClient
+from deployments.replica_view import ReplicaView
+from serve_app.admission.policy import BudgetPolicy
+from serve_app.config import parse_args
+from serve_app.memory.cost_model import CorrectedCostModel, FittedCostModel
+from serve_app.metrics import ProcessMetrics
+from serve_app.replica_state import DeviceFigures, GateFigures, ReplicaState
+from tests.ingress_parts import ingress_app
+
+MiB = 1 << 20
+BUDGET = 1000 * MiB
+KEY = {"Authorization": "Bearer k"}
+NOT_JSON = b"{this is not json"
+
+
+def published_state(thread_wait_s: float) -> ReplicaState:
+    """One replica of the model ``fake`` whose inference thread has ``thread_wait_s`` of
+    passes to run (nothing leased, no drain rate yet)."""
+    cost = CorrectedCostModel(FittedCostModel(("const", "batch_tokens"), (float(MiB), 1024.0),
+                                              0.05)).published()
+    gate = GateFigures(BUDGET, 0, 0, BUDGET, 0, 0, 0, 0, 0, None, thread_wait_s=thread_wait_s)
+    return ReplicaState("r", "node", (), 0.0, "fake", "fake", ("embed", "generate"), "budget",
+                        "bytes", {}, cost, gate, DeviceFigures(0, 0, 0, None, 1.0, 0), BUDGET,
+                        BUDGET, 0, 0)
+
+
+class Registry:
+    """Ray's handle to the registry: ``snapshot.remote()`` answers what is published."""
+
+    def __init__(self) -> None:
+        self.published: list[ReplicaState] = []
+        self.snapshot = self
+
+    async def remote(self) -> list[ReplicaState]:
+        return list(self.published)
+
+
+@pytest.fixture()
+def ingress() -> Iterator[tuple[TestClient, Registry, ProcessMetrics]]:
+    args = parse_args({"model": {"task": "fake", "name": "fake"}, "auth": {"api_key": "k"}})
+    registry, metrics = Registry(), ProcessMetrics("Ingress", "test", use_ray=False)
+    # A clock that always moves on: every request reads what is published now.
+    ticks = iter(range(0, 10**9, 10))
+    replicas = ReplicaView(registry, BudgetPolicy, 10.0, model="fake",
+                           clock=lambda: float(next(ticks)))
+    client = ModelClient(None, replicas, args.admission.max_queue_wait_s, metrics)
+    with TestClient(ingress_app(args, replicas, client=client, metrics=metrics)) as http:
+        yield http, registry, metrics
+
+
+def post(http: TestClient, **headers: str):
+    return http.post("/v1/embeddings", content=NOT_JSON,
+                     headers={**KEY, "Content-Type": "application/json", **headers})
+
+
+def test_a_backlog_longer_than_the_client_waits_is_refused_before_the_body(ingress) -> None:
+    http, registry, metrics = ingress
+    registry.published = [published_state(thread_wait_s=5.0)]
+
+    refused = post(http, **{"X-Stainless-Read-Timeout": "2"})
+    assert refused.status_code == 503
+    assert refused.json()["error"]["code"] == "predicted_timeout"
+    assert "5 s" in refused.json()["error"]["message"]
+    assert int(refused.headers["Retry-After"]) >= 3  # 5 s predicted - 2 s it may wait
+    assert int(refused.headers["retry-after-ms"]) == 3000
+    exposition = metrics.exposition()
+    assert re.search(r'vramgate_admission_decisions_total\{[^}]*reason="predicted_timeout"'
+                     r'[^}]*\} 1\.0', exposition)
+    assert re.search(r'vramgate_http_requests_total\{[^}]*model="fake"[^}]*status="503"'
+                     r'[^}]*\} 1\.0', exposition)
+
+    # The body is read, and refused for what it is, when the request goes the normal way:
+    assert post(http).status_code == 400  # no client limit (refuse_predicted_waits off)
+    keyed = post(http, **{"X-Stainless-Read-Timeout": "2", "Idempotency-Key": "a"})
+    assert keyed.status_code == 400 and keyed.json()["error"]["code"] == "invalid_json"
+    assert post(http, **{"X-Stainless-Read-Timeout": "2",
+                         "Prefer": "respond-async"}).status_code == 400
+    unauthenticated = http.post("/v1/embeddings", json={"input": "hi"}, headers={
+        "Authorization": "Bearer wrong", "X-Stainless-Read-Timeout": "2"})
+    assert unauthenticated.status_code == 401  # not told about the load
+    assert post(http, **{"X-Stainless-Read-Timeout": "9"}).status_code == 400  # waits 9 s
+
+    # The backlog is gone: nothing is refused before the body.
+    registry.published = [published_state(thread_wait_s=0.0)]
+    assert post(http, **{"X-Stainless-Read-Timeout": "2"}).status_code == 400
+
+
+def test_a_route_the_model_does_not_serve_is_left_to_fastapi(ingress) -> None:
+    http, registry, _ = ingress
+    registry.published = [published_state(thread_wait_s=5.0)]
+    response = http.post("/v1/audio/transcriptions", content=NOT_JSON,
+                         headers={**KEY, "X-Stainless-Read-Timeout": "2"})
+    assert response.status_code == 404
