@@ -394,8 +394,12 @@ NOTES: Sequence[str] = (
     "adds 20-40 ms. With the derived `max_ongoing_requests` counted in P95 requests (68), "
     "the refusals that reached the replica had first waited for a free slot in Ray Serve's "
     "handle queue, up to 4 s (p99 3.7 s); counted at the smallest request (1024), the same "
-    "run's p99 was 0.56 s. What is left is CPU: proxy, ingress, replica, locust and the "
-    "scraper share 2 cores.",
+    "run's p99 was 0.56 s. In the 10x spike, where most requests are refused, the ingress "
+    "now refuses before reading the body what could not start in time even as the smallest "
+    "request: at the 35.5 req/s of the earlier report's spike, refusals took 1.6 s at the "
+    "median and 5.3 s at p99, against 8.5 s and 22 s without that (one run each; 6.39 "
+    "against 4.94 admitted req/s). What is left is CPU: proxy, ingress, replica, locust and "
+    "the scraper share 2 cores.",
     "- Locust rounds response times above 100 ms to 2 significant digits; a p99 over a few "
     "hundred requests rests on its few slowest ones. The machine was shared with other work "
     "during the run; figures vary by some percent between runs.",
