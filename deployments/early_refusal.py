@@ -63,6 +63,5 @@ class EarlyRefusalMiddleware:
                 or not self._auth.accepts(scope["path"], headers.get("authorization", ""))):
             return None
         [front] = serving
-        units = await front.replicas.estimate(SMALLEST_SHAPE)
-        error = await front.client.predicted_refusal(units, client_wait_limit_s(headers))
+        error = await front.client.shape_refusal(SMALLEST_SHAPE, client_wait_limit_s(headers))
         return None if error is None else (front, error)

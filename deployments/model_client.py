@@ -18,6 +18,7 @@ from deployments.replica_view import ReplicaView
 from serve_app.admission.calibration import WaitCalibration
 from serve_app.admission.drain import MAX_RETRY_AFTER_S
 from serve_app.errors import OverloadedError, ServeAppError
+from serve_app.memory.cost_model import Shape
 from serve_app.metrics import ProcessMetrics
 from serve_app.request import InferenceRequest, wait_bound_s
 from serve_app.schemas import InferenceResult
@@ -99,6 +100,12 @@ class ModelClient:
         if refusal is not None:
             raise refusal
         return request.sent(units, time.time())
+
+    async def shape_refusal(self, shape: Shape,
+                            wait_limit_s: float | None) -> OverloadedError | None:
+        """:meth:`predicted_refusal` of a request of ``shape``, priced as the replicas
+        publish."""
+        return await self.predicted_refusal(await self._replicas.estimate(shape), wait_limit_s)
 
     async def predicted_refusal(self, units: int | None,
                                 wait_limit_s: float | None) -> OverloadedError | None:

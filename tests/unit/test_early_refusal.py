@@ -20,7 +20,7 @@ from serve_app.config import parse_args
 from serve_app.memory.cost_model import CorrectedCostModel, FittedCostModel
 from serve_app.metrics import ProcessMetrics
 from serve_app.replica_state import DeviceFigures, GateFigures, ReplicaState
-from tests.ingress_parts import ingress_app
+from tests.ingress_parts import PublishedRegistry, ingress_app
 
 MiB = 1 << 20
 BUDGET = 1000 * MiB
@@ -39,21 +39,10 @@ def published_state(thread_wait_s: float) -> ReplicaState:
                         BUDGET, 0, 0)
 
 
-class Registry:
-    """Ray's handle to the registry: ``snapshot.remote()`` answers what is published."""
-
-    def __init__(self) -> None:
-        self.published: list[ReplicaState] = []
-        self.snapshot = self
-
-    async def remote(self) -> list[ReplicaState]:
-        return list(self.published)
-
-
 @pytest.fixture()
-def ingress() -> Iterator[tuple[TestClient, Registry, ProcessMetrics]]:
+def ingress() -> Iterator[tuple[TestClient, PublishedRegistry, ProcessMetrics]]:
     args = parse_args({"model": {"task": "fake", "name": "fake"}, "auth": {"api_key": "k"}})
-    registry, metrics = Registry(), ProcessMetrics("Ingress", "test", use_ray=False)
+    registry, metrics = PublishedRegistry(), ProcessMetrics("Ingress", "test", use_ray=False)
     # A clock that always moves on: every request reads what is published now.
     ticks = iter(range(0, 10**9, 10))
     replicas = ReplicaView(registry, BudgetPolicy, 10.0, model="fake",
