@@ -105,6 +105,8 @@ class ModelClient:
                             wait_limit_s: float | None) -> OverloadedError | None:
         """:meth:`predicted_refusal` of a request of ``shape``, priced as the replicas
         publish."""
+        if not await self._refuses_by_prediction(wait_limit_s):
+            return None  # not priced on every request for nothing
         return await self.predicted_refusal(await self._replicas.estimate(shape), wait_limit_s)
 
     async def predicted_refusal(self, units: int | None,
@@ -118,9 +120,7 @@ class ModelClient:
         ``admission.refuse_predicted_waits`` off and no client limit, nor while an
         autoscaling deployment runs fewer than its most replicas (the replicas refuse then,
         and count it for the autoscaler)."""
-        if not (self._refuse_predicted or wait_limit_s is not None) or (
-                self._max_replicas is not None
-                and len(await self._replicas.states()) < self._max_replicas):
+        if not await self._refuses_by_prediction(wait_limit_s):
             return None
         predicted_s = await self._replicas.predicted_wait_s(units, self._unassigned_units)
         if predicted_s is not None and self._unassigned:
@@ -133,6 +133,11 @@ class ModelClient:
             f"refused at once: the predicted wait of {predicted_s:.3g} s on every model "
             f"replica exceeds the {left_s:.3g} s this request may wait",
             code="predicted_timeout", retry_after_s=min(MAX_RETRY_AFTER_S, predicted_s - left_s))
+
+    async def _refuses_by_prediction(self, wait_limit_s: float | None) -> bool:
+        return (self._refuse_predicted or wait_limit_s is not None) and (
+            self._max_replicas is None
+            or len(await self._replicas.states()) >= self._max_replicas)
 
     async def _wait_for_a_replica(self, response: Any, request: InferenceRequest) -> None:
         """Wait until Ray Serve has handed ``response``'s request to a replica, at most

@@ -93,8 +93,8 @@ class AdmissionPolicy:
         """Requests a replica may hold admitted at once (leased, running or waiting for
         its pass), for Ray Serve's ``max_ongoing_requests``; ``running``: the
         :meth:`running_estimate`; ``smallest_by_memory``: how many of the smallest request
-        its budget holds (``None``: unknown). Without a gate Ray's cap is the only one, so
-        it admits the ``running`` P95 requests."""
+        its budget holds (``None``: unknown). By default the ``running`` estimate: the
+        semaphore's permits, or, without a gate (Ray's cap the only one), P95 requests."""
         return running, "running at once"
 
 
@@ -169,11 +169,6 @@ class SemaphorePolicy(AdmissionPolicy):
     @classmethod
     def running_estimate(cls, admission: AdmissionConfig,
                          by_memory: int) -> tuple[int, str | None]:
-        return admission.semaphore_permits, "admission.semaphore_permits"
-
-    @classmethod
-    def admitted_estimate(cls, admission: AdmissionConfig, running: int,
-                          smallest_by_memory: int | None) -> tuple[int, str]:
         return admission.semaphore_permits, "admission.semaphore_permits"
 
 
