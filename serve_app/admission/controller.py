@@ -214,9 +214,11 @@ def _refusal(decision: Decision, budget_bytes: int, time_left_s: float) -> Excep
     reason, nbytes = decision.reason, decision.nbytes
     retry_after_s, queue_position = decision.retry_after_s, decision.queue_position
     if reason is Reason.PREDICTED_TIMEOUT:
+        margin = (f" plus {decision.margin_s:.3g} s by which recent predictions fell short"
+                  if decision.margin_s > 0 else "")
         return OverloadedError(
-            f"refused at once: the predicted wait of {decision.predicted_wait_s:.3g} s exceeds "
-            f"the {time_left_s:.3g} s this request may wait", code=reason.value,
+            f"refused at once: the predicted wait of {decision.predicted_wait_s:.3g} s{margin} "
+            f"exceeds the {time_left_s:.3g} s this request may wait", code=reason.value,
             retry_after_s=retry_after_s, queue_position=queue_position)
     if reason is Reason.REQUEST_TOO_LARGE:
         return RequestTooLargeError(

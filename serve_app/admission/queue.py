@@ -75,7 +75,8 @@ class Decision:
 
     Exactly one of ``lease`` (admitted), ``waiter`` (queued) or ``reason`` (rejected) is set.
     ``retry_after_s`` (seconds, with its fraction) is set for retryable rejections.
-    ``predicted_wait_s``: the wait predicted at arrival, ``None`` when none could be.
+    ``predicted_wait_s``: the wait predicted at arrival, ``None`` when none could be;
+    ``margin_s``: the calibration margin added to it when it was refused by prediction.
     """
 
     outcome: Outcome
@@ -86,6 +87,7 @@ class Decision:
     retry_after_s: float | None = None
     queue_position: int = 0
     predicted_wait_s: float | None = None
+    margin_s: float = 0.0
 
 
 @dataclass
@@ -163,14 +165,10 @@ class AdmissionQueue:
         self.expire()
         left_s = self.time_left_s(waited_s, wait_limit_s)
         predicted_s = self.predicted_wait_s(nbytes)
-        over_s = None if predicted_s is None or not (
-            self.refuse_predicted or wait_limit_s is not None) \
-            else predicted_s + self.calibration.margin_s() - left_s
-        if over_s is not None and over_s > 0:
-            self._predicted_refusals.append(self.clock())
-            return Decision(Outcome.REJECTED, nbytes, reason=Reason.PREDICTED_TIMEOUT,
-                            retry_after_s=min(MAX_RETRY_AFTER_S, max(MIN_WAIT_S, over_s)),
-                            queue_position=len(self._waiters), predicted_wait_s=predicted_s)
+        if predicted_s is not None and (self.refuse_predicted or wait_limit_s is not None):
+            refusal = self._refusal_by_prediction(nbytes, predicted_s, left_s)
+            if refusal is not None:
+                return refusal
         if not self._waiters:
             lease = self.budget.try_reserve(nbytes)
             if lease is not None:
@@ -188,6 +186,20 @@ class AdmissionQueue:
         self._queued_bytes += nbytes
         return Decision(Outcome.QUEUED, nbytes, waiter=waiter, queue_position=waiter.position,
                         predicted_wait_s=predicted_s)
+
+    def _refusal_by_prediction(self, nbytes: int, predicted_s: float,
+                               left_s: float) -> Decision | None:
+        """The ``predicted_timeout`` refusal of a request predicted to wait ``predicted_s``
+        (plus the calibration margin) with ``left_s`` to wait, or ``None`` when it fits."""
+        margin_s = self.calibration.margin_s()
+        over_s = predicted_s + margin_s - left_s
+        if over_s <= 0:
+            return None
+        self._predicted_refusals.append(self.clock())
+        return Decision(Outcome.REJECTED, nbytes, reason=Reason.PREDICTED_TIMEOUT,
+                        retry_after_s=min(MAX_RETRY_AFTER_S, max(MIN_WAIT_S, over_s)),
+                        queue_position=len(self._waiters), predicted_wait_s=predicted_s,
+                        margin_s=margin_s)
 
     def refused_by_prediction(self, window_s: float) -> int:
         """Requests refused by prediction in the last ``window_s`` seconds: demand that did

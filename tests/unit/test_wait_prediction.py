@@ -188,6 +188,29 @@ def test_requests_are_refused_on_the_prediction_plus_the_margin(make_queue, cloc
     refused = queue.submit(60)  # predicted 8 s + 3 s > 10 s
     assert (refused.reason, refused.predicted_wait_s) == (Reason.PREDICTED_TIMEOUT,
                                                           pytest.approx(8.0))
-    assert refused.retry_after_s == pytest.approx(1.0)
+    assert (refused.retry_after_s, refused.margin_s) == (pytest.approx(1.0), 3.0)
     queue.cancel(first)
+    queue.release(held.lease)
+
+
+def test_a_refusal_by_prediction_names_its_margin(make_controller, clock) -> None:
+    controller = make_controller(budget_bytes=100, max_queue_wait_s=10.0)
+    queue = controller.queue
+    _drain_at_20_bytes_per_s(queue, clock)
+    held = admitted(queue, 100)
+    for _ in range(MIN_ERRORS):
+        queue.calibration.record(3.0)
+    first = queued(queue, 100)
+
+    async def scenario() -> OverloadedError:
+        with pytest.raises(OverloadedError) as refused:
+            await controller.acquire(60)  # predicted 8 s + 3 s margin > 10 s
+        return refused.value
+
+    error = asyncio.run(scenario())
+    queue.cancel(first)
+    assert error.code == "predicted_timeout"
+    assert str(error) == ("refused at once: the predicted wait of 8 s plus 3 s by which "
+                          "recent predictions fell short exceeds the 10 s this request may "
+                          "wait")
     queue.release(held.lease)
