@@ -116,11 +116,10 @@ class AdmissionConfig(_Section):
         10.0, gt=0, allow_inf_nan=False,
         description="Longest wait for admission before 503 `queue_timeout`.")
     refuse_predicted_waits: bool = Field(
-        False, description="Refuse at once (503 `predicted_timeout`) every request whose "
+        True, description="Refuse at once (503 `predicted_timeout`) every request whose "
         "predicted wait exceeds the time it may wait. Off: only requests whose client said how "
         "long it will wait (`Prefer: wait`, `X-Stainless-Read-Timeout`) are; the others wait "
-        "and may get 503 `queue_timeout`. Off by default: refusing early hides queue demand "
-        "from autoscaling on busy replicas and, on a CPU model, costs throughput (README).")
+        "and may get 503 `queue_timeout` after the whole wait.")
     oom_decrease_factor: float = Field(
         0.7, gt=0, lt=1, description="Budget multiplier on each caught out-of-memory error.")
     oom_regrow_fraction: float = Field(
