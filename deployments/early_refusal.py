@@ -22,7 +22,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from deployments.http_errors import error_response
-from deployments.http_middleware import BearerAuth
+from deployments.http_middleware import BearerAuth, route_path
 from deployments.served_models import ModelFront, ServedModels
 from serve_app.client_wait import client_wait_limit_s, prefers_async
 from serve_app.errors import OverloadedError
@@ -55,12 +55,13 @@ class EarlyRefusalMiddleware:
         await error_response(error)(scope, receive, send)
 
     async def _refusal(self, scope: Scope) -> tuple[ModelFront, OverloadedError] | None:
-        serving = self._models.serving(scope["path"])
+        path = route_path(scope)
+        serving = self._models.serving(path)
         if len(serving) != 1:
             return None
         headers = Headers(scope=scope)
         if ("idempotency-key" in headers or prefers_async(headers)
-                or not self._auth.accepts(scope["path"], headers.get("authorization", ""))):
+                or not self._auth.accepts(path, headers.get("authorization", ""))):
             return None
         [front] = serving
         error = await front.client.shape_refusal(SMALLEST_SHAPE, client_wait_limit_s(headers))

@@ -117,6 +117,17 @@ class BodyLimitMiddleware:
         await self._app(scope, replay, send)
 
 
+def route_path(scope: Scope) -> str:
+    """The request's path below the app's prefix: ``scope["path"]`` without
+    ``scope["root_path"]`` (Ray Serve's ``route_prefix``; ASGI servers put it in both, and
+    FastAPI routes on what is left), e.g. ``/v1/embeddings`` for ``/api/v1/embeddings``
+    under ``/api``."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("/", ""):
+        return path[len(root):] or "/"
+    return path
+
+
 class BearerAuth:
     """Every route but the probes needs ``Authorization: Bearer <key>`` when a key is
     configured (``auth.*``); compared in constant time (``hmac.compare_digest``).
@@ -132,12 +143,14 @@ class BearerAuth:
 
     async def __call__(self, request: Request) -> None:
         """Raises AuthenticationError (401) for a missing or wrong key."""
-        if not self.accepts(request.url.path, request.headers.get("authorization", "")):
+        if not self.accepts(route_path(request.scope),
+                            request.headers.get("authorization", "")):
             raise AuthenticationError("missing or invalid API key (send Authorization: "
                                       "Bearer <key>)")
 
     def accepts(self, path: str, authorization: str) -> bool:
-        """Whether a request to ``path`` with this ``Authorization`` header may pass."""
+        """Whether a request to ``path`` (below the app's prefix: :func:`route_path`) with
+        this ``Authorization`` header may pass."""
         if not self._api_key or path in self.PROBES:
             return True
         scheme, _, given = authorization.partition(" ")

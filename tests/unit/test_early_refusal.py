@@ -74,7 +74,7 @@ def test_a_backlog_longer_than_the_client_waits_is_refused_before_the_body(ingre
                      r'[^}]*\} 1\.0', exposition)
 
     # The body is read, and refused for what it is, when the request goes the normal way:
-    assert post(http).status_code == 400  # no client limit (refuse_predicted_waits off)
+    assert post(http).status_code == 400  # no client limit: it may wait 10 s
     keyed = post(http, **{"X-Stainless-Read-Timeout": "2", "Idempotency-Key": "a"})
     assert keyed.status_code == 400 and keyed.json()["error"]["code"] == "invalid_json"
     assert post(http, **{"X-Stainless-Read-Timeout": "2",
@@ -95,3 +95,16 @@ def test_a_route_the_model_does_not_serve_is_left_to_fastapi(ingress) -> None:
     response = http.post("/v1/audio/transcriptions", content=NOT_JSON,
                          headers={**KEY, "X-Stainless-Read-Timeout": "2"})
     assert response.status_code == 404
+
+
+def test_under_a_route_prefix_the_refusal_and_the_probes_see_the_routes_path(ingress) -> None:
+    http, registry, _ = ingress
+    registry.published = [published_state(thread_wait_s=5.0)]
+    # Ray Serve under route_prefix /api: scope["root_path"] is /api, scope["path"] the
+    # whole path (as uvicorn sets them)
+    prefixed = TestClient(http.app, root_path="/api")
+    refused = prefixed.post("/api/v1/embeddings", content=NOT_JSON, headers={
+        **KEY, "Content-Type": "application/json", "X-Stainless-Read-Timeout": "2"})
+    assert refused.status_code == 503
+    assert refused.json()["error"]["code"] == "predicted_timeout"
+    assert prefixed.get("/api/healthz").status_code == 200  # a probe needs no key there either
