@@ -4,11 +4,14 @@ because importing that schema imports Ray.
 
 Ray Serve ignores keys it does not know; so that a misspelt key is not silently dropped, they
 are reported here (:data:`TOP_LEVEL_KEYS` and :data:`APPLICATION_KEYS` are the fields of Ray's
-schema; tests/unit/test_cli_validate.py holds them to it).
+schema; tests/unit/test_cli_validate.py holds them to it). A key written twice in one mapping
+is reported too: YAML wants keys unique, but PyYAML, which ``serve run`` reads configs with,
+keeps the last value silently, so a second ``admission:`` section replaces the first whole.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,13 +71,33 @@ class ServeApp:
         return {} if args is None else args
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that refuses a key given twice in one mapping (YAML 1.2.2,
+    section 3.2.1.1: "The content of a mapping node is an unordered set of key/value node
+    pairs, with the restriction that each of the keys is unique")."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, Hashable):
+                continue  # PyYAML refuses it itself
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice in one mapping (the last one "
+                    "would replace the first whole)", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def read_serve_config(path: Path) -> tuple[list[ServeApp], list[str]]:
     """The applications of the ``serve run`` config at ``path``, each with what Ray Serve
     would refuse in it, and the problems of the file itself (unreadable, not YAML, no
-    ``applications:`` list, unknown top-level keys, names or route prefixes used twice).
+    ``applications:`` list, a key given twice in one mapping, unknown top-level keys, names or
+    route prefixes used twice).
     Nothing is raised: a file that cannot be read has no applications and one problem."""
     try:
-        raw = yaml.safe_load(Path(path).read_text())
+        raw = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 (safe)
     except OSError as exc:
         return [], [f"{path}: cannot read it: {exc.strerror or exc}"]
     except yaml.YAMLError as exc:

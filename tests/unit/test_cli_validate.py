@@ -20,7 +20,7 @@ from serve_app.config import parse_args
 from serve_app.planning import plan_deployment
 
 REPO = Path(__file__).resolve().parents[2]
-CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+CONFIGS = sorted([*(REPO / "configs").glob("*.yaml"), *(REPO / "loadtest/configs").glob("*.yaml")])
 OURS = "serve_app.app:build_app"
 
 BROKEN = {
@@ -218,3 +218,15 @@ def test_plan_and_validate_show_every_model_of_an_app_and_how_they_pack(
         f"{config}: application 'trio': ok (fake engine, model 'embedder', num_gpus 0.5 per "
         "replica; fake engine, model 'chat', num_gpus 0.5 per replica; fake engine, model "
         "'speech', num_gpus 0.5 per replica)")
+
+
+def test_a_key_given_twice_is_reported_where_it_is(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    config = tmp_path / "twice.yaml"
+    config.write_text(f"applications:\n  - import_path: {OURS}\n    args:\n"
+                      "      admission:\n        policy: budget\n"
+                      "      admission:\n        max_queue_len: 4\n")
+    status, _, err = run_main(capsys, "validate", str(config))
+    assert status == 1
+    assert err == (f"vramgate: {config}:6:7: not valid YAML: the key 'admission' is given "
+                   "twice in one mapping (the last one would replace the first whole)\n")
