@@ -304,9 +304,10 @@ def _section_lines(section: Mapping[str, Any], img: Any) -> list[str]:
             f"{first['base_users']} users x {first['pace_rps']:g} req/s = "
             f"{first['offered_rps']} req/s, then {first['peak_users']} users "
             f"({first['spike_offered_rps']} req/s) for two thirds of the "
-            f"{section['spike_s']:g} s run. The second run is the same with "
-            "`deployment.max_ongoing_requests` raised so that no request waits in Ray "
-            "Serve's handle queue.", "",
+            f"{section['spike_s']:g} s run."
+            + (" The second run is the same with `deployment.max_ongoing_requests` raised so "
+               "that no request waits in Ray Serve's handle queue."
+               if len(section["spikes"]) > 1 else ""), "",
             markdown_table([_derived(r) for r in section["spikes"]], SPIKE_COLUMNS), ""]
         for row in section["spikes"]:
             lines.append(f"![{engine} spike {row['baseline']}]({img(row['label'] + '.png')})")
@@ -380,26 +381,28 @@ NOTES: Sequence[str] = (
     "way against the same bound), for a lease, and for a pass on the inference thread. "
     "What it does not bound is time outside the gate: the proxy and ingress when the CPU is "
     "saturated (here they share 2 cores with locust). Under the budget policy the derived "
-    "`max_ongoing_requests` is now what the budget admits at once counted at the smallest "
-    "request's price (capped at 1024), so requests no longer wait in the handle queue and "
-    "the spike's second run (1000, set by hand) differs from the first only by noise. "
+    "`max_ongoing_requests` is what the budget admits at once counted at the smallest "
+    "request's price (capped at 1024), so requests do not wait in the handle queue, and the "
+    "report's second spike run with it set to 1000 by hand, which differed from the first "
+    "only by noise, is left out when the derived figure is that high already. Joined from "
+    "the Serve logs of one spike run (71 users at 1x, 35.5 req/s at 10x), the slowest "
+    "admitted requests' client latency was their queue wait plus their inference to within "
+    "50 ms: the tail is long chats that waited up to the bound and then decoded for 20-35 s. "
     "(Before the ingress bounded the handle queue, the first run's admitted p99 was 27 s "
-    "against a 14.8 s bound.)",
+    "against a 14.8 s bound; in the report of 2026-12-02, on a machine then about 3x slower "
+    "(MiniLM 4.43 req/s at this load), 48 s against 39.2 s.)",
     "- **Refusals' latency (503 p99).** A refusal by prediction is decided at once, at the "
-    "ingress from the replicas' published figures or at the replica on arrival; its client "
-    "still pays Ray Serve's HTTP path. Timed from the Serve logs in a steady fake-card run "
-    "(306 refusals): the time from the ingress's first middleware to the route was 27 ms at "
-    "the median and 202 ms at p99 (Ray's proxy relays the body to the ingress on request), "
-    "tokenizing 4 / 55 ms, the decision and the replica round trip 1 / 165 ms; the proxy "
-    "adds 20-40 ms. With the derived `max_ongoing_requests` counted in P95 requests (68), "
-    "the refusals that reached the replica had first waited for a free slot in Ray Serve's "
-    "handle queue, up to 4 s (p99 3.7 s); counted at the smallest request (1024), the same "
-    "run's p99 was 0.56 s. In the 10x spike, where most requests are refused, the ingress "
-    "now refuses before reading the body what could not start in time even as the smallest "
-    "request: at the 35.5 req/s of the earlier report's spike, refusals took 1.6 s at the "
-    "median and 5.3 s at p99, against 8.5 s and 22 s without that (one run each; 6.39 "
-    "against 4.94 admitted req/s). What is left is CPU: proxy, ingress, replica, locust and "
-    "the scraper share 2 cores.",
+    "ingress from the replicas' published figures (before the body when even the smallest "
+    "request could not start in time) or at the replica on arrival; its client still pays "
+    "Ray Serve's HTTP path. Timed by the client in a steady fake-card run outside the report "
+    "(312 refusals, all `predicted_timeout`): the 199 decided at the ingress took 8-24 ms "
+    "at the median per kind, the 113 decided at the replica 19-44 ms, the slowest 78 ms (a "
+    "keyed request: those skip the refusal before the body, as their key may have a stored "
+    "answer, and ask the key store first). Three steady runs that day gave a 503 p99 of 58, "
+    "63 and 64 ms. The report of 2026-12-02, with the same refusal paths, gave 830 ms on a "
+    "machine then about 3x slower: on 2 shared cores this figure "
+    "follows the CPU left to proxy and ingress, and in the 10x spike, where most requests "
+    "are refused, it is seconds (its queue_timeouts count too).",
     "- Locust rounds response times above 100 ms to 2 significant digits; a p99 over a few "
     "hundred requests rests on its few slowest ones. The machine was shared with other work "
     "during the run; figures vary by some percent between runs.",

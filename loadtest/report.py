@@ -9,7 +9,9 @@ budget policy, its base load calibrated to the budget's measured steady throughp
 spike offers :data:`loadtest.scenarios.SPIKE_MULTIPLE` x what the service can answer; and the
 same spike with ``deployment.max_ongoing_requests`` raised so that no request waits in Ray
 Serve's handle queue (all waiting happens in the replica's timed admission queue): the
-difference between the two locates any wait beyond ``max_queue_wait_s``.
+difference between the two locates any wait beyond ``max_queue_wait_s``. That second run is
+left out when the budget's derived ``max_ongoing_requests`` is already
+:data:`UNBOUNDED_ONGOING` or more (it would be the same run).
 
 Writes the plots, ``summary.json`` and ``summary.csv`` to ``--out`` and the report to
 ``--markdown``; raw per-run files go to ``loadtest/results/report-<time>/``.
@@ -186,7 +188,9 @@ def _run_workload(workload: Workload, base_url: str, results: Path, out: Path,
         pace = workload.spike_pace_rps
         base_users = max(1, round(budget_row["throughput_rps"] / pace))
         runs = [("budget", None)]
-        if not quick:  # the diagnostic: the same spike without Ray Serve's handle queue
+        if not quick and (budget_row.get("ray_max_ongoing") or 0) < UNBOUNDED_ONGOING:
+            # the diagnostic: the same spike without Ray Serve's handle queue (the same run
+            # when the budget's derived max_ongoing_requests is already above any queue)
             runs.append((f"budget, max_ongoing {UNBOUNDED_ONGOING}", UNBOUNDED_ONGOING))
         for label, ongoing in runs:
             spec = replace(_spec(workload, BASELINES[0], "spike", base_users, workload.spike_s),
