@@ -5,8 +5,9 @@ because importing that schema imports Ray.
 Ray Serve ignores keys it does not know; so that a misspelt key is not silently dropped, they
 are reported here (:data:`TOP_LEVEL_KEYS` and :data:`APPLICATION_KEYS` are the fields of Ray's
 schema; tests/unit/test_cli_validate.py holds them to it). A key written twice in one mapping
-is reported too: YAML wants keys unique, but PyYAML, which ``serve run`` reads configs with,
-keeps the last value silently, so a second ``admission:`` section replaces the first whole.
+is reported too (and the file's other problems with it): YAML wants keys unique, but PyYAML,
+which ``serve run`` reads configs with, keeps the last value silently, so a second
+``admission:`` section replaces the first whole.
 """
 
 from __future__ import annotations
@@ -72,32 +73,57 @@ class ServeApp:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader that refuses a key given twice in one mapping (YAML 1.2.2,
+    """PyYAML's safe loader that notes each key given twice in one mapping (YAML 1.2.2,
     section 3.2.1.1: "The content of a mapping node is an unordered set of key/value node
-    pairs, with the restriction that each of the keys is unique")."""
+    pairs, with the restriction that each of the keys is unique") and, like ``serve run``,
+    keeps the last value, so that the rest of the file is still checked."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.repeated_keys: list[str] = []
+        """``LINE:COL: what`` for each repeat, in the order met."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen: set[Any] = set()
+        first_line: dict[Any, int] = {}
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)
             if not isinstance(key, Hashable):
                 continue  # PyYAML refuses it itself
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"the key {key!r} is given twice in one mapping (the last one "
-                    "would replace the first whole)", key_node.start_mark)
-            seen.add(key)
+            mark = key_node.start_mark
+            if key in first_line:
+                self.repeated_keys.append(
+                    f"{mark.line + 1}:{mark.column + 1}: {key!r} is given again in the same "
+                    f"mapping (first at line {first_line[key]}); serve run would keep only "
+                    "this one and drop the first without a word: merge them")
+            else:
+                first_line[key] = mark.line + 1
         return super().construct_mapping(node, deep)
+
+
+def _load_yaml(path: Path) -> tuple[Any, list[str]]:
+    """The YAML document at ``path`` and the keys given twice in it (``FILE:LINE:COL: ...``).
+
+    Raises:
+        OSError: the file cannot be read.
+        yaml.YAMLError: it is not YAML.
+    """
+    loader = _UniqueKeyLoader(Path(path).read_text())
+    try:
+        raw = loader.get_single_data()
+    finally:
+        loader.dispose()
+    return raw, [f"{path}:{where}" for where in loader.repeated_keys]
 
 
 def read_serve_config(path: Path) -> tuple[list[ServeApp], list[str]]:
     """The applications of the ``serve run`` config at ``path``, each with what Ray Serve
-    would refuse in it, and the problems of the file itself (unreadable, not YAML, no
-    ``applications:`` list, a key given twice in one mapping, unknown top-level keys, names or
-    route prefixes used twice).
+    would refuse in it, and the problems of the file itself (unreadable, not YAML, a key given
+    twice in one mapping, no ``applications:`` list, unknown top-level keys, names or route
+    prefixes used twice). A key given twice is reported and its last value is checked, as
+    ``serve run`` would use it.
     Nothing is raised: a file that cannot be read has no applications and one problem."""
     try:
-        raw = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 (safe)
+        raw, problems = _load_yaml(path)
     except OSError as exc:
         return [], [f"{path}: cannot read it: {exc.strerror or exc}"]
     except yaml.YAMLError as exc:
@@ -105,10 +131,10 @@ def read_serve_config(path: Path) -> tuple[list[ServeApp], list[str]]:
         at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
         return [], [f"{path}{at}: not valid YAML: {getattr(exc, 'problem', None) or exc}"]
     if not isinstance(raw, dict):
-        return [], [f"{path}: not a serve run config (expected a mapping with an "
-                    "`applications:` list)"]
-    problems = [f"{path}: {key}: unknown key (Ray Serve ignores it; check its spelling)"
-                for key in raw if key not in TOP_LEVEL_KEYS]
+        return [], [*problems, f"{path}: not a serve run config (expected a mapping with an "
+                               "`applications:` list)"]
+    problems += [f"{path}: {key}: unknown key (Ray Serve ignores it; check its spelling)"
+                 for key in raw if key not in TOP_LEVEL_KEYS]
     entries = raw.get("applications")
     if not isinstance(entries, list) or not entries:
         return [], [*problems, f"{path}: applications: expected a non-empty list of "

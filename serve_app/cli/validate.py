@@ -143,4 +143,14 @@ def ok_line(checked: CheckedApp) -> str:
                 "checked)")
     return f"{app.where}: ok (" + "; ".join(
         f"{m.args.model.engine_name} engine, model {m.args.model.name!r}, num_gpus "
-        f"{m.args.deployment.num_gpus:g} per replica" for m in checked.models) + ")"
+        f"{m.args.deployment.num_gpus:g} per replica{_unplanned(m)}"
+        for m in checked.models) + ")"
+
+
+def _unplanned(model: CheckedModel) -> str:
+    """``, but ...`` when the model's plan is a fallback because its files cannot be read
+    here (a path that exists only on the cluster, or a placeholder left in the config)."""
+    if model.plan is None or not model.plan.how.startswith("fallback (model config"):
+        return ""
+    return (", but its model config cannot be read on this machine (a placeholder path, or one "
+            "that only the cluster has?): its plan is a fallback")
