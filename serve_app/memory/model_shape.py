@@ -7,6 +7,9 @@ per-layer buffer counts, with their sources.
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -198,17 +201,40 @@ def _language_model_config(config: dict[str, Any]) -> tuple[dict[str, Any], str]
 
 
 def _kv_heads(config: dict[str, Any], heads: int) -> int:
-    """Key/value heads as transformers caches them: ``num_key_value_heads`` (grouped-query
-    attention); Falcon's ``new_decoder_architecture`` caches K/V expanded to every head
-    (``FalconAttention`` in ``modeling_falcon.py``); ``multi_query`` (Falcon-7B, GPTBigCode)
-    is 1; Falcon's ``num_kv_heads``; else ``heads``."""
+    """Key/value heads as the installed transformers caches them. Falcon's
+    ``new_decoder_architecture`` (Falcon-40B/180B) caches K/V expanded to every query head up
+    to transformers 5.24, whatever the config says (:func:`_falcon_expands_kv`); else
+    ``num_key_value_heads`` (grouped-query attention; ``FalconConfig`` writes it too from
+    5.25); ``multi_query`` without the new architecture (Falcon-7B, GPTBigCode) is 1;
+    Falcon's ``num_kv_heads`` (a ``config.json`` saved before 5.25); else ``heads``."""
+    if config.get("new_decoder_architecture") and _falcon_expands_kv():
+        return heads
     if config.get("num_key_value_heads") is not None:
         return int(config["num_key_value_heads"])
-    if config.get("new_decoder_architecture"):
-        return heads
-    if config.get("multi_query"):
+    if config.get("multi_query") and not config.get("new_decoder_architecture"):
         return 1
     return _first_int(config, ("num_kv_heads",)) or heads
+
+
+FALCON_GROUPED_KV_SINCE = (5, 25)
+"""The transformers release whose ``FalconAttention`` keeps ``num_kv_heads`` K/V heads in the
+cache and repeats them per query head at attention time (``repeat_kv``, as Llama does); up to
+5.24 ``_split_heads`` broadcast K/V to every query head before caching them. Found by
+``tests/unit/test_model_configs.py`` measuring the cache of a tiny ``FalconForCausalLM``
+under 5.24.0 and 5.25.0."""
+
+
+@functools.cache
+def _falcon_expands_kv() -> bool:
+    """Whether the installed transformers caches Falcon's new-architecture K/V expanded to
+    every query head (before :data:`FALCON_GROUPED_KV_SINCE`). Read from the package's
+    metadata, without importing it."""
+    try:
+        version = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    numbers = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    return numbers < FALCON_GROUPED_KV_SINCE
 
 
 def _is_decoder(architectures: Sequence[str], nested: bool) -> bool:

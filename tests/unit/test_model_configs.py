@@ -16,7 +16,11 @@ from typing import Any
 import pytest
 
 from serve_app.memory.cost_model import AnalyticCostModel
-from serve_app.memory.model_shape import MissingConfigKeysError, TransformerShape
+from serve_app.memory.model_shape import (
+    MissingConfigKeysError,
+    TransformerShape,
+    _falcon_expands_kv,
+)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -29,6 +33,8 @@ FLOAT32 = 4
 PARAM_TOLERANCE = 0.025
 DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=VOCAB,
                max_position_embeddings=64)
+FALCON_NEW = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  new_decoder_architecture=True, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0)
 GPT2_STYLE = dict(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64,
                   bos_token_id=0, eos_token_id=0)
 
@@ -71,12 +77,16 @@ FAMILIES = {
     "falcon-multi-query": Family("FalconConfig", "FalconForCausalLM",
                                  dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                       vocab_size=VOCAB, bos_token_id=0, eos_token_id=0)),
-    # Caches K/V expanded to all 4 heads, but projects only 2: the estimate counts 4.
+    # Projects 2 K/V heads. transformers up to 5.24 caches them expanded to all 4 (the
+    # estimate then counts 4, over the matrices); from 5.25 it caches 2.
     "falcon-new-decoder": Family(
         "FalconConfig", "FalconForCausalLM",
-        dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
-             new_decoder_architecture=True, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0),
-        exact_matrices=False),
+        dict(FALCON_NEW, num_kv_heads=2), exact_matrices=not _falcon_expands_kv()),
+    # Falcon-40B's config.json sets multi_query too; the new architecture ignores it.
+    "falcon-40b-style": Family(
+        "FalconConfig", "FalconForCausalLM",
+        dict(FALCON_NEW, num_kv_heads=2, multi_query=True),
+        exact_matrices=not _falcon_expands_kv()),
 }
 
 
@@ -116,6 +126,20 @@ def test_kv_cache_bytes_equal_what_transformers_caches(name: str) -> None:
     assert from_dict == from_json
     assert from_dict.is_decoder
     assert from_dict.kv_cache_bytes(BATCH, TOKENS) == cached_bytes(model)
+
+
+@pytest.mark.parametrize("name", ["falcon-new-decoder", "falcon-40b-style"])
+def test_a_falcon_config_saved_before_transformers_5_25_prices_what_this_one_caches(
+        name: str) -> None:
+    """The Hub's Falcon-40B/180B ``config.json`` files were saved by transformers before 5.25,
+    so they lack ``num_key_value_heads`` (5.25's ``FalconConfig`` writes it): the heads
+    cached are then read from ``new_decoder_architecture`` and ``num_kv_heads`` as the
+    installed transformers uses them."""
+    model = build(FAMILIES[name])
+    saved = json.loads(model.config.to_json_string())
+    saved.pop("num_key_value_heads", None)
+    shape = TransformerShape.from_hf_config(saved, FLOAT32)
+    assert shape.kv_cache_bytes(BATCH, TOKENS) == cached_bytes(model)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
