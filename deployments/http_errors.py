@@ -14,6 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app.errors import (
@@ -31,8 +33,9 @@ def as_serve_app_error(exc: BaseException) -> ServeAppError:
     """Translate any exception into the typed error the client will see.
 
     Our errors pass through (also when Ray wrapped them in a ``RayTaskError``); Ray Serve's
-    back-pressure becomes 503 ``queue_full`` and an unavailable deployment 503 ``no_replicas``;
-    anything else is a bug: logged with its traceback, answered with a generic 500.
+    back-pressure becomes 503 ``queue_full``, an unavailable deployment 503 ``no_replicas``, a
+    job store that does not answer 503 ``jobs_unavailable``; anything else is a bug: logged
+    with its traceback, answered with a generic 500.
     """
     if isinstance(exc, RayTaskError) and isinstance(exc.cause, ServeAppError):
         exc = exc.cause
@@ -47,6 +50,11 @@ def as_serve_app_error(exc: BaseException) -> ServeAppError:
     if isinstance(exc, DeploymentUnavailableError):
         return OverloadedError("no model replica is available", code="no_replicas",
                                retry_after_s=1)
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+        # The jobs' Redis, between a redeploy's old and new broker, or jobs.redis_url down:
+        # the embedded one is back within a health-check period (deployments/job_broker.py).
+        return OverloadedError("the job store (Redis) does not answer; retry",
+                               code="jobs_unavailable", retry_after_s=1)
     logger.error("unexpected error", exc_info=exc)
     return InternalError("internal error")
 

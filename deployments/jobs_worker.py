@@ -9,7 +9,8 @@ admission queue and its inference thread's backlog is under half of
 lease, then claims the job (one claimer wins, :meth:`JobStore.claim`), and runs it through the
 request lifecycle with that lease: batching, timeouts, OOM handling and lease accounting are
 the same as for any request. A transient refusal (503) puts the job back at the queue's head;
-a 4xx or 5xx fails it with the route's error body. Heartbeats tell others the replica is
+a 4xx or 5xx fails it with the route's error body; an outcome the store cannot take now (its
+Redis restarting) is written again until it can. Heartbeats tell others the replica is
 alive; a replica that stops beating has its running jobs queued again by the others
 (:meth:`JobStore.recover_orphans`).
 """
@@ -20,8 +21,12 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
 from typing import Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from deployments.replica import Replica
 from deployments.routes.base import Prepared, Route
@@ -156,23 +161,44 @@ class JobWorker:
     async def _run(self, job: JobView, prepared: Prepared, admission: Admission) -> None:
         """Run a claimed job with its lease; record its outcome (a 503 queues it again)."""
         store, worker = self._store, self._worker_id
+        outcome: Callable[[], Awaitable[Any]]
         try:
             result = await self._replica.lifecycle.infer(prepared.request, admission)
             body: Any = prepared.render(result)
         except OverloadedError:
-            await store.requeue(job.id, worker)
-            return
+            outcome = partial(store.requeue, job.id, worker)
         except ServeAppError as exc:
-            await store.fail(job.id, worker, json.dumps(exc.to_body()), exc.status_code)
-            return
+            outcome = partial(store.fail, job.id, worker, json.dumps(exc.to_body()),
+                              exc.status_code)
         except Exception:
             logger.exception("job %s failed", job.id)
             error = InternalError("internal error")
-            await store.fail(job.id, worker, json.dumps(error.to_body()), error.status_code)
-            return
-        await store.finish(job.id, worker, json.dumps(body))
+            outcome = partial(store.fail, job.id, worker, json.dumps(error.to_body()),
+                              error.status_code)
+        else:
+            outcome = partial(store.finish, job.id, worker, json.dumps(body))
+        await store_outcome(job.id, outcome, self._config.poll_interval_s)
 
     def close(self) -> None:
         """Stop pulling (jobs running finish, or are re-run after the heartbeat lapses)."""
         for task in list(self._running):
             task.cancel()
+
+
+async def store_outcome(job_id: str, write: Callable[[], Awaitable[Any]],
+                        first_pause_s: float) -> None:
+    """Store a job's outcome (``write``), trying again while the store does not answer, with a
+    pause doubling from ``first_pause_s`` up to ``MAX_RETRY_PAUSE_S``. Given up, the job would
+    stay ``running`` for as long as its replica lives and beats: only the jobs of gone
+    replicas are queued again. A retry is safe: a job's first outcome wins
+    (:meth:`JobStore.finish`)."""
+    pause_s = first_pause_s
+    while True:
+        try:
+            await write()
+            return
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            logger.warning("job %s: its outcome could not be stored (%s); next try in %.1f s",
+                           job_id, exc, pause_s)
+        await asyncio.sleep(pause_s)
+        pause_s = min(MAX_RETRY_PAUSE_S, pause_s * 2)

@@ -13,8 +13,8 @@ ERROR_MEANINGS = {
     413: "Body larger than `limits.max_body_bytes` (`body_too_large`).",
     422: "Idempotency-Key reused with a different body (`idempotency_key_reused`).",
     503: "Transient capacity refusal (`queue_full`, `queue_timeout`, `predicted_timeout`, "
-         "`oom`, `no_replicas`, `draining`, `jobs_full`); retry after `Retry-After` seconds "
-         "(`retry-after-ms`: the same wait in milliseconds).",
+         "`oom`, `no_replicas`, `draining`, `jobs_full`, `jobs_unavailable`); retry after "
+         "`Retry-After` seconds (`retry-after-ms`: the same wait in milliseconds).",
     504: "Inference ran longer than `admission.inference_timeout_s` (`inference_timeout`).",
 }
 INFERENCE_ERRORS = (400, 401, 404, 413, 422, 503, 504)

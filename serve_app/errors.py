@@ -121,7 +121,7 @@ class OverloadedError(ServeAppError):
     ``retry_after_s`` given as a float keeps its milliseconds; ``None`` means 1 s.
 
     ``code`` is one of ``queue_full``, ``queue_timeout``, ``predicted_timeout``, ``oom``,
-    ``no_replicas``, ``draining``, ``jobs_full``.
+    ``no_replicas``, ``draining``, ``jobs_full``, ``jobs_unavailable``.
     """
 
     status_code = 503

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 SENTENCES = ["A man is eating food.", "A man is eating a piece of bread.",
@@ -329,3 +330,25 @@ def settled_scrape(base_url: str, figure, quiet_s: float = 2.5, timeout_s: float
         if (now := figure(samples)) != last:
             last, since = now, time.monotonic()
     return samples
+
+
+JOB_KEY = "vramgate:m:job:1"  # a job hash as the job store writes it (serve_app/jobs/store.py)
+
+
+def write_job(redis_url: str) -> None:
+    """Write one queued job's hash (``JOB_KEY``) to the Redis at ``redis_url``."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        client.hset(JOB_KEY, mapping={"status": "queued"})
+    finally:
+        client.close()
+
+
+def read_job(redis_url: str) -> dict[bytes, bytes]:
+    """The hash at ``JOB_KEY`` in the Redis at ``redis_url`` (empty if it was lost)."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return client.hgetall(JOB_KEY)
+    finally:
+        client.close()
+

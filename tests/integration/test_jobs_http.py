@@ -7,7 +7,11 @@ the route's normal body: the same vectors as synchronous calls."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
+from collections import Counter
+from pathlib import Path
 
 import httpx
 import pytest
@@ -101,6 +105,32 @@ def test_jobs_route_cancel_and_errors(app):
         streamed = http.post("/v1/completions", headers=ASYNC,
                              json={"prompt": "hi", "max_tokens": 2, "stream": True})
         assert (streamed.status_code, streamed.json()["error"]["code"]) == (400, "stream")
+    app.check_invariants()
+
+
+def test_a_killed_redis_comes_back_with_its_jobs(app):
+    """The embedded Redis killed under queued jobs (the OOM killer; or a redeploy's old broker
+    stopping the server its successor reused): the broker starts it again on the same file
+    within its health-check period, the jobs are kept and run, and meanwhile a client gets
+    503 ``jobs_unavailable``, never a 500."""
+    pid_path = Path(app.args["jobs"]["data_dir"]) / "fake" / "redis.pid"
+    with httpx.Client(base_url=app.base_url, timeout=60) as http:
+        ids = [http.post("/v1/embeddings", json=_body(200 + i), headers=ASYNC).json()["id"]
+               for i in range(6)]
+        killed_pid = int(pid_path.read_text())
+        os.kill(killed_pid, signal.SIGKILL)
+        answers: Counter = Counter()
+        deadline = time.monotonic() + 30
+        while (response := http.get(f"/v1/jobs/{ids[-1]}")).status_code != 200:
+            answers[(response.status_code, response.json()["error"]["code"],
+                     response.headers["retry-after"])] += 1
+            assert time.monotonic() < deadline, answers
+            time.sleep(0.05)
+        assert set(answers) <= {(503, "jobs_unavailable", "1")}, answers
+        jobs = _wait_all(http, ids)
+    assert [job["status"] for job in jobs] == ["succeeded"] * 6
+    assert int(pid_path.read_text()) != killed_pid
+    print(f"\nwhile the Redis was down: {dict(answers)}")
     app.check_invariants()
 
 

@@ -1,12 +1,17 @@
 """The local Redis: only a unix socket, data kept across a stop and a start, a live server
-reused, a failed start named with its log file."""
+reused, a server that went away started again, one server for starts at the same time, a
+failed start named with its log file."""
 
 from __future__ import annotations
 
+import threading
+
+import psutil
 import pytest
 import redis
 
 from serve_app.jobs.embedded import EmbeddedRedis
+from tests.support import read_job, write_job
 
 
 def test_data_outlives_a_stop_and_a_start_in_the_same_directory(tmp_path) -> None:
@@ -63,3 +68,86 @@ def test_a_server_that_does_not_start_is_named_with_its_log(tmp_path) -> None:
 def test_a_socket_path_too_long_is_refused(tmp_path) -> None:
     with pytest.raises(ValueError, match="shorter data directory"):
         EmbeddedRedis(tmp_path / ("d" * 120))
+
+
+def test_start_again_brings_back_a_server_this_object_started_that_died(tmp_path) -> None:
+    server = EmbeddedRedis(tmp_path).start()
+    try:
+        write_job(server.url)
+        server._process.kill()  # killed from outside (the OOM killer, say): nothing flushed
+        server._process.wait()
+        assert not server.ping()
+        assert server.start() is server
+        assert server.owned and server.ping()
+        # appendfsync everysec: a write is in the file (the OS's cache) before its reply, so
+        # a killed process loses nothing; only the machine going down loses up to a second.
+        assert read_job(server.url) == {b"status": b"queued"}
+    finally:
+        server.stop()
+
+
+def test_a_reused_server_that_its_owner_stops_is_started_again_by_the_reuser(tmp_path) -> None:
+    """A redeploy's hand-off: the new broker finds the old one's server and reuses it, then the
+    old broker stops it; the new broker's next start runs its own, on the same file."""
+    old = EmbeddedRedis(tmp_path).start()
+    new = EmbeddedRedis(tmp_path).start()
+    try:
+        assert not new.owned
+        write_job(new.url)
+        old.stop()
+        assert not new.ping()
+        new.start()
+        assert new.owned and read_job(new.url) == {b"status": b"queued"}
+    finally:
+        new.stop()
+        old.stop()
+
+
+def test_stop_leaves_alone_the_server_another_process_started_after_this_ones_died(
+        tmp_path) -> None:
+    first = EmbeddedRedis(tmp_path).start()
+    first._process.kill()
+    first._process.wait()
+    second = EmbeddedRedis(tmp_path).start()
+    try:
+        assert second.owned
+        first.stop()  # its own server is gone; the one answering is not its
+        assert second.ping()
+    finally:
+        second.stop()
+
+
+def _servers_in(data_dir) -> list[psutil.Process]:
+    """The redis-server processes running in ``data_dir`` (their working directory: the server
+    rewrites its command line, so that cannot be matched)."""
+    servers = []
+    for process in psutil.process_iter(["name", "cwd"]):
+        if "redis-server" in (process.info["name"] or "") and process.info["cwd"] == data_dir:
+            servers.append(process)
+    return servers
+
+
+@pytest.mark.parametrize("starters", [2, 4])
+def test_starts_at_the_same_time_run_one_server(tmp_path, starters: int) -> None:
+    """Two processes starting on one directory at once (brokers of a redeploy) must not run two
+    servers: the second would take over the socket path and both would write the same file."""
+    for attempt in range(5):
+        barrier = threading.Barrier(starters)
+        servers = [EmbeddedRedis(tmp_path) for _ in range(starters)]
+
+        def start(server: EmbeddedRedis, barrier: threading.Barrier) -> None:
+            barrier.wait()
+            server.start()
+
+        threads = [threading.Thread(target=start, args=(s, barrier)) for s in servers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        try:
+            assert sum(s.owned for s in servers) == 1, attempt
+            assert len(_servers_in(str(tmp_path.resolve()))) == 1, attempt
+            assert all(s.ping() for s in servers)
+        finally:
+            for server in servers:
+                server.stop()
