@@ -11,8 +11,9 @@ has submitted a config file, whatever becomes of it) and ``/readyz`` answers 503
 :func:`stop_serve_run` ends that wait: it writes the one-line reason to the terminal of each
 ``serve run`` driver of this cluster and sends it ``SIGHUP``, its terminal "hanging up": the
 driver exits (status 129 in a shell) and the local Ray instance it started goes with it. Not
-``SIGTERM``: Ray's driver answers that with a native stack dump and an abort; not
-``SIGINT``: ``serve run`` then exits 0.
+``SIGTERM``: Ray's driver answers that with a native stack dump (and exits 15); not
+``SIGINT``: ``serve run`` then exits 0. A driver that ignores ``SIGHUP`` (``nohup serve run``)
+gets ``SIGTERM`` all the same (:func:`stop_signal`): a stack dump beats waiting forever.
 """
 
 from __future__ import annotations
@@ -105,11 +106,25 @@ def _signal_driver_here(pid: int, message: str) -> int:
     except OSError:
         pass  # not Linux, or another user's process: the log line has to do
     try:
-        os.kill(pid, signal.SIGHUP)
+        os.kill(pid, stop_signal(pid))
     except OSError as exc:
         logger.warning("cannot stop serve run (pid %d): %s", pid, exc)
         return 0
     return 1
+
+
+def stop_signal(pid: int) -> signal.Signals:
+    """``SIGHUP``, or ``SIGTERM`` when process ``pid`` ignores ``SIGHUP``: started under
+    ``nohup`` (or from a parent that ignored it), it would keep waiting. Read from its
+    ``SigIgn`` mask in ``/proc/PID/status`` (proc(5)); ``SIGHUP`` where that cannot be read.
+    """
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            ignored = next((int(line.split()[1], 16) for line in status
+                            if line.startswith("SigIgn:")), 0)
+    except (OSError, ValueError):
+        return signal.SIGHUP
+    return signal.SIGTERM if ignored >> (signal.SIGHUP - 1) & 1 else signal.SIGHUP
 
 
 def refusal_text(exc: BaseException, args: AppArgs) -> str:
