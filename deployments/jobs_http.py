@@ -51,7 +51,8 @@ class JobsFront:
         self._store, self._routes, self._replicas = store, routes, replicas
 
     async def submit(self, path: str, body: BaseModel, request: Request) -> JSONResponse:
-        """Store ``body`` for the route at ``path`` as a job; 202 with its ``Location``.
+        """Store ``body`` for the route at ``path`` as a job; 202 with its ``Location`` (and
+        ``Idempotent-Replayed: true`` when the Idempotency-Key already names the job).
 
         Raises:
             ServeAppError: the route's 400/404 for the body; 400 ``request_too_large`` when
@@ -66,11 +67,13 @@ class JobsFront:
                 f"the request needs an estimated {units} bytes of device memory, more than "
                 f"any replica's whole budget ({max(budgets)} bytes)")
         key = request.headers.get("idempotency-key")
-        job, _ = await self._store.submit(path, body.model_dump_json(exclude_unset=True),
-                                          b"", units or 0, checked_key(key))
+        job, created = await self._store.submit(
+            path, body.model_dump_json(exclude_unset=True), b"", units or 0, checked_key(key))
         job = await self._store.get(job.id) or job
-        return JSONResponse(job.to_body(), status_code=202,
-                            headers={"Location": f"/v1/jobs/{job.id}"})
+        headers = {"Location": f"/v1/jobs/{job.id}"}
+        if not created:  # the key's job, as for any replayed Idempotency-Key
+            headers["Idempotent-Replayed"] = "true"
+        return JSONResponse(job.to_body(), status_code=202, headers=headers)
 
     async def show(self, job_id: str) -> JobView | None:
         """The job now (``None`` when unknown here or expired)."""

@@ -63,9 +63,12 @@ def test_fifty_jobs_survive_a_full_restart_and_match_synchronous_results(app, de
             ids.append(job["id"])
         # The same key again: the same job, never a second run.
         again = [http.post("/v1/embeddings", json=_body(i),
-                           headers={**ASYNC, "Idempotency-Key": f"job-{i}"}).json()["id"]
+                           headers={**ASYNC, "Idempotency-Key": f"job-{i}"})
                  for i in range(10)]
-        assert again == ids[:10]
+        assert [r.json()["id"] for r in again] == ids[:10]
+        assert {(r.status_code, r.headers.get("idempotent-replayed")) for r in again} \
+            == {(202, "true")}
+        assert "idempotent-replayed" not in response.headers  # the last new job's answer
         assert len(set(ids)) == 50
         done_before = sum(http.get(f"/v1/jobs/{j}").json()["status"] == "succeeded"
                           for j in ids)
