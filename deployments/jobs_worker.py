@@ -25,6 +25,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from typing import Any
 
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -187,18 +189,17 @@ class JobWorker:
 
 async def store_outcome(job_id: str, write: Callable[[], Awaitable[Any]],
                         first_pause_s: float) -> None:
-    """Store a job's outcome (``write``), trying again while the store does not answer, with a
-    pause doubling from ``first_pause_s`` up to ``MAX_RETRY_PAUSE_S``. Given up, the job would
-    stay ``running`` for as long as its replica lives and beats: only the jobs of gone
-    replicas are queued again. A retry is safe: a job's first outcome wins
-    (:meth:`JobStore.finish`)."""
-    pause_s = first_pause_s
-    while True:
-        try:
-            await write()
-            return
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-            logger.warning("job %s: its outcome could not be stored (%s); next try in %.1f s",
-                           job_id, exc, pause_s)
-        await asyncio.sleep(pause_s)
-        pause_s = min(MAX_RETRY_PAUSE_S, pause_s * 2)
+    """Store a job's outcome (``write``), trying again while the store does not answer
+    (redis-py's own :class:`~redis.asyncio.retry.Retry`, without limit), with a pause doubling
+    from ``first_pause_s`` up to ``MAX_RETRY_PAUSE_S``. Given up, the job would stay
+    ``running`` for as long as its replica lives and beats: only the jobs of gone replicas are
+    queued again. A retry is safe: a job's first outcome wins (:meth:`JobStore.finish`)."""
+
+    async def log(exc: Exception) -> None:
+        logger.warning("job %s: its outcome could not be stored (%s); trying again", job_id, exc)
+
+    # ExponentialBackoff pauses base * 2**failures after the n-th failure: half, so the first
+    # pause is first_pause_s.
+    retry = Retry(ExponentialBackoff(cap=MAX_RETRY_PAUSE_S, base=first_pause_s / 2),
+                  retries=-1, supported_errors=(RedisConnectionError, RedisTimeoutError, OSError))
+    await retry.call_with_retry(write, log)
