@@ -23,7 +23,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -77,6 +77,15 @@ class _Sequence:
     def start(self) -> SequenceStart:
         request = self.ticket.request
         return SequenceStart(self.seq_id, request.input_ids[0], request.params)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """A step on the thread: what to await for its updates, who is in it, who left."""
+
+    done: Awaitable[dict]
+    members: list[_Sequence]
+    leaving: list[_Sequence]
 
 
 class DecodeLoop:
@@ -179,37 +188,65 @@ class DecodeLoop:
             await self._wake.wait()
             self._wake.clear()
             self._waiting = deque(s for s in self._waiting if not s.cancelled)
-            while self._running or any(not s.cancelled for s in self._waiting):
+            step = self._start_step()
+            while step is not None:
                 try:
-                    await self._step()
+                    delivered = await self._finish_step(step)
                 except Exception:  # a bug: the sequences of the step got it; go on
                     logger.exception("decode loop: a step failed unexpectedly")
+                    delivered = []
+                # The next step goes to the thread before this one's texts, metrics and
+                # finished sequences are handled here: the device does not idle through them.
+                step = self._start_step()
+                self._deliver(delivered)
 
-    async def _step(self) -> None:
+    def _start_step(self) -> _Step | None:
+        """Hand the next step to the thread (sequences that left go out, waiting ones join),
+        or ``None`` when nothing runs or waits."""
         leaving = [s for s in self._running.values() if s.cancelled]
         for sequence in leaving:
             del self._running[sequence.seq_id]
         joining = self._take_joiners()
         members = [*self._running.values(), *joining]
+        if not members and not leaving:
+            return None
         for sequence in joining:
             self._running[sequence.seq_id] = sequence
         work = partial(self._engine_step, [s.start() for s in joining],
                        [s.seq_id for s in leaving])
         self.steps += 1
+        done = self._thread.run_step(work, sum(s.ticket.lease.nbytes for s in members))
+        return _Step(done, members, leaving)
+
+    async def _finish_step(self, step: _Step) -> list[tuple[_Sequence, Any, int]]:
+        """Wait for ``step``; count each member's tokens and take the finished ones out of
+        the running batch (what the next step needs). Returns ``(sequence, update, tokens
+        made)`` per member to :meth:`_deliver`; a failed step fails its members."""
         try:
-            updates = await self._thread.run_step(
-                work, sum(s.ticket.lease.nbytes for s in members))
+            updates = await step.done
         except Exception as exc:  # the engine has dropped every sequence
-            for sequence in (*members, *leaving):
+            for sequence in (*step.members, *step.leaving):
                 self._fail(sequence, exc)
-            return
+            return []
         finally:
-            for sequence in leaving:
+            for sequence in step.leaving:
                 sequence.ticket.device_done(ran=True)
+        delivered = []
+        for sequence in step.members:
+            if (update := updates.get(sequence.seq_id)) is None:
+                continue
+            delivered.append((sequence, update, update.completion_tokens - sequence.tokens))
+            sequence.tokens = update.completion_tokens
+            if update.finish_reason is not None:
+                del self._running[sequence.seq_id]
+        return delivered
+
+    def _deliver(self, delivered: list[tuple[_Sequence, Any, int]]) -> None:
+        """A step's texts, latencies and finished sequences (their results and leases)."""
         now, made = time.monotonic(), 0
-        for sequence in members:
-            if (update := updates.get(sequence.seq_id)) is not None:
-                made += self._apply(sequence, update, now)
+        for sequence, update, tokens in delivered:
+            made += tokens
+            self._apply(sequence, update, tokens, now)
         if made:
             self._metrics.inc("generated_tokens", made)
 
@@ -257,26 +294,24 @@ class DecodeLoop:
             joining.append(sequence)
         return joining
 
-    def _apply(self, sequence: _Sequence, update: Any, now: float) -> int:
-        """One step's update of one sequence: its text, its latencies, its end. Returns the
-        tokens it made."""
+    def _apply(self, sequence: _Sequence, update: Any, made: int, now: float) -> None:
+        """One step's update of one sequence (``made`` tokens): its text, its latencies, its
+        end."""
         if update.text:
             sequence.pieces.append(update.text)
             if sequence.on_text is not None and not sequence.cancelled:
                 sequence.on_text(update.text)
-        made = update.completion_tokens - sequence.tokens
         if made:
-            if sequence.tokens == 0:
+            if sequence.tokens == made:
                 self._metrics.observe("time_to_first_token_seconds",
                                       sequence.ticket.admission.queue_wait_s
                                       + now - sequence.enqueued_s)
             else:
                 self._metrics.observe("inter_token_latency_seconds",
                                       now - sequence.last_token_s)
-        sequence.tokens, sequence.last_token_s = update.completion_tokens, now
+        sequence.last_token_s = now
         if update.finish_reason is None:
-            return made
-        del self._running[sequence.seq_id]
+            return
         self._thread.log_finished(sequence.ticket, "ok", now - sequence.joined_s)
         sequence.ticket.device_done(ran=True)
         self._thread.total += 1
@@ -285,7 +320,6 @@ class DecodeLoop:
             sequence.result.set_result(GenerationOutput(
                 "".join(sequence.pieces), update.finish_reason,
                 sequence.ticket.request.prompt_tokens, sequence.tokens))
-        return made
 
     def _fail(self, sequence: _Sequence, error: BaseException) -> None:
         """End a sequence with ``error`` (the engine no longer holds it)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -198,20 +198,31 @@ class InferenceThread:
         except RuntimeError as exc:
             raise self.health.error_for(exc, sum(t.lease.nbytes for t in tickets)) from None
 
-    async def run_step(self, work: Callable[[], Any], leased_bytes: int) -> Any:
-        """Run one step of continuous batching (:mod:`deployments.decode_loop`) on the
-        thread: no lease changes hands here (the loop holds its sequences' leases across
-        steps). A failure is reported to the device health with ``leased_bytes`` (the leases
-        of the step's sequences) before the step's caller sees it.
+    def run_step(self, work: Callable[[], Any], leased_bytes: int) -> Awaitable[Any]:
+        """Hand one step of continuous batching (:mod:`deployments.decode_loop`) to the
+        thread now, and return what to await for its result: the step is queued on the
+        thread before the caller goes on (it may do other work while the step runs). No
+        lease changes hands here (the loop holds its sequences' leases across steps), and
+        nothing waits for the step to start. A failure is reported to the device health with
+        ``leased_bytes`` (the leases of the step's sequences) before the awaiting caller
+        sees it. Await the result exactly once.
 
-        Raises:
+        Raises (when awaited):
             OverloadedError: ``oom`` or ``draining``, as :meth:`run`; other errors pass.
         """
         loop = asyncio.get_running_loop()
-        job = _Job(work, loop, self)
+        job = _Job(work, loop, self, announce_start=False)
         self.running += 1
         try:
-            result = await loop.run_in_executor(self._executor, job)
+            future = loop.run_in_executor(self._executor, job)
+        except BaseException:
+            self.running -= 1
+            raise
+        return self._step_result(future, job, leased_bytes)
+
+    async def _step_result(self, future: asyncio.Future, job: _Job, leased_bytes: int) -> Any:
+        try:
+            result = await future
             self._record_pass(job.duration_s)
             return result
         except Exception as exc:
@@ -273,8 +284,9 @@ class _Job:
     emptied."""
 
     def __init__(self, work: Callable[[], Any], loop: asyncio.AbstractEventLoop,
-                 thread: InferenceThread) -> None:
+                 thread: InferenceThread, announce_start: bool = True) -> None:
         self._work, self._loop, self._thread = work, loop, thread
+        self._announce_start = announce_start
         self.started = asyncio.Event()
         self.started_at: float | None = None
         self.abandoned = False
@@ -287,7 +299,8 @@ class _Job:
         if self.abandoned:
             return None
         self.started_at = self._thread.running_since = time.monotonic()
-        self._loop.call_soon_threadsafe(self.started.set)
+        if self._announce_start:  # a wake-up of the event loop: only for who waits on it
+            self._loop.call_soon_threadsafe(self.started.set)
         probe = self._thread.probe
         probe.begin_request()
         try:

@@ -12,7 +12,7 @@ if ! "$PY" -c "import pydantic" 2>/dev/null; then
         echo "pydantic is missing and there is no .gpu-wheels/: run scripts/gpu_wheels.sh" >&2
         exit 2
     fi
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/gpu-site .gpu-wheels/*.whl
     export PYTHONPATH=/tmp/gpu-site${PYTHONPATH:+:$PYTHONPATH}
 fi

@@ -3,11 +3,12 @@
 #
 # That machine runs Python 3.12 (x86-64, manylinux) with its own torch, transformers,
 # sentence-transformers, numpy, psutil, prometheus-client, pyyaml and httpx, reaches no
-# package registry, and has no pydantic (nor Ray or FastAPI, which the check does not use).
-# What `python -m scripts.gpu_check` imports that it lacks is pydantic and its needs:
+# package registry, and has no pydantic or redis (nor Ray or FastAPI, which the check does
+# not use). What `python -m scripts.gpu_check` imports that it lacks is pydantic and its needs:
 # pydantic-core (compiled: the cp312 manylinux wheel), annotated-types and typing-inspection;
 # typing-extensions too, since pydantic needs a recent one and the machine's version is not
-# known. Versions are those of this checkout's .venv where it has them (what the tests ran).
+# known; and redis (pure Python), which tests/support.py imports (the check builds its models
+# with it). Versions are those of this checkout's .venv where it has them (what the tests ran).
 #
 # Then one device `run`, with carry [".gpu-wheels"] (the wheels travel with the working tree,
 # 64 MiB in all; this script checks the total):
@@ -16,7 +17,7 @@
 # /tmp/gpu-site on PYTHONPATH (nothing is written into the machine's own environment).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PACKAGES=(pydantic pydantic-core annotated-types typing-inspection typing-extensions)
+PACKAGES=(pydantic pydantic-core annotated-types typing-inspection typing-extensions redis)
 PY=python3
 [ -x .venv/bin/python ] && PY=.venv/bin/python
 mapfile -t SPECS < <("$PY" - "${PACKAGES[@]}" <<'PYTHON'

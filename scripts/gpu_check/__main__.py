@@ -26,12 +26,15 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+SETTING_NAMES = ("default", "expandable_segments")  # scripts.gpu_check.worker.SETTINGS
+
+
 def settings_for(device: str, quick: bool) -> list[str]:
     """Both allocator settings, except on CPU with ``--quick`` (they do not apply there; the
     full CPU run still runs both, to keep the per-setting processes working)."""
     if device == "cpu" and quick:
         return ["default"]
-    return ["default", "expandable_segments"]
+    return list(SETTING_NAMES)
 
 
 def run_setting(device: str, setting: str, workdir: Path, quick: bool,
@@ -63,11 +66,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="also write the rows here, and the table beside it (.txt)")
     parser.add_argument("--timeout-s", type=float, default=None,
                         help="for all settings together (default: 420 on cuda, 240 on cpu)")
+    parser.add_argument("--settings", nargs="+", choices=SETTING_NAMES, default=None,
+                        help="allocator settings to run (default: both; one on a --quick "
+                             "CPU run)")
     options = parser.parse_args(argv)
     device = options.device or default_device()
     deadline = time.monotonic() + (options.timeout_s or TIMEOUT_S[device])
     rows: list[Row] = []
-    settings = settings_for(device, options.quick)
+    settings = options.settings or settings_for(device, options.quick)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as workdir:
         for i, setting in enumerate(settings):
             kept = KEEP_FOR_NEXT_S[device] * (len(settings) - 1 - i)

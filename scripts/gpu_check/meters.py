@@ -42,6 +42,9 @@ class _Meter:
     def settle(self) -> None:
         """Let the device finish and return cached blocks (nothing on the simulated one)."""
 
+    def synchronize(self) -> None:
+        """Let the device finish what it was given (nothing on the simulated one)."""
+
     def reset_peak(self) -> Pair:
         """Start a measurement; returns what is in use now."""
         self.settle()
@@ -87,6 +90,9 @@ class CudaMeter(_Meter):
     def settle(self) -> None:
         self._cuda.synchronize(self._index)
         self._cuda.empty_cache()
+
+    def synchronize(self) -> None:
+        self._cuda.synchronize(self._index)
 
     def ballast(self, leave_free_bytes: int) -> Callable[[], None]:
         """Take all of the card but ``leave_free_bytes`` with plain allocations (as another

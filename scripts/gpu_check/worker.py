@@ -20,6 +20,7 @@ import logging
 import os
 import platform
 import random
+import subprocess
 import sys
 import time
 import traceback
@@ -29,7 +30,10 @@ from pathlib import Path
 from .report import Row, check, info, save_rows, under
 
 ABSENT_ON_DEVICE = ("ray", "fastapi", "starlette")
-SETTINGS = {"default": "", "expandable_segments": "expandable_segments:True"}
+# "default" is PyTorch's own allocator, named explicitly: a replica otherwise defaults to
+# expandable segments (deployments.engines.devices.DEFAULT_CUDA_ALLOC_CONF).
+SETTINGS = {"default": "expandable_segments:False",
+            "expandable_segments": "expandable_segments:True"}
 
 
 def set_allocator(setting: str) -> None:
@@ -71,6 +75,8 @@ def environment_rows(device: str, setting: str) -> list:
         return rows + [info(scenario, "device", "cpu (allocator settings do not apply)")]
     props = torch.cuda.get_device_properties(0)
     rows.append(info(scenario, "device", f"{props.name}, {props.total_memory / 2**30:.1f} GiB"))
+    rows.append(info(scenario, "driver / torch's CUDA", f"{driver_version()} / "
+                                                       f"{torch.version.cuda}"))
     probe = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
     segments = torch.cuda.memory._snapshot().get("segments", [])
     flags = {seg.get("is_expandable") for seg in segments}
@@ -81,6 +87,16 @@ def environment_rows(device: str, setting: str) -> list:
         rows.append(check(scenario, "segments expandable", str(sorted(flags)),
                           flags == {expected}))
     return rows
+
+
+def driver_version() -> str:
+    """The NVIDIA driver's version as ``nvidia-smi`` reports it, or ``"unknown"``."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return done.stdout.strip().splitlines()[0] if done.stdout.strip() else "unknown"
 
 
 def guarded(scenario: str, work: Callable[[], list]) -> list:
@@ -94,12 +110,14 @@ def guarded(scenario: str, work: Callable[[], list]) -> list:
 
 
 def load_engine(spec, tag: str, device: str, models: Path):
-    """Build the model directory if needed, load the engine and profile it, as a replica
-    does at start-up (``measure_replica``). Returns ``(args, measured)``."""
+    """Build the model directory if needed, load the engine and profile it on a new
+    inference thread, as a replica does at start-up (``measure_replica``, on the thread that
+    then serves). Returns the :class:`.scenarios.Loaded` engine."""
     from deployments.profiling import measure_replica
     from serve_app.config import parse_args
 
     from .models import ensure_model
+    from .scenarios import InferenceThread, Loaded
 
     raw = spec.raw_args
     if spec.model is not None:
@@ -107,31 +125,51 @@ def load_engine(spec, tag: str, device: str, models: Path):
         raw = {**raw, "model": {**raw["model"], "path": str(path)}}
     args = parse_args(raw)
     _progress(f"{tag}: loading and profiling")
-    return args, measure_replica(args, on_progress=lambda _: None)
+    thread = InferenceThread()
+    try:
+        measured = thread.submit(measure_replica, args, lambda _: None).result()
+    except BaseException:
+        thread.close()
+        raise
+    _progress(f"{tag}: memory profile (MiB; the table behind its rows)\n"
+              f"{measured.profile.table()}")
+    return Loaded(args, measured, thread)
 
 
 def run_engine(spec, tag: str, device: str, models: Path, rng: random.Random) -> list:
     """Load, profile and drive one engine of the plan; returns its rows."""
-    from . import scenarios
-    from .meters import make_meter
-
     loaded = guarded(f"{tag}: profile", lambda: [load_engine(spec, tag, device, models)])
     if isinstance(loaded[0], Row):
         return loaded
-    [(args, measured)] = loaded
+    try:
+        return _scenarios(spec, tag, loaded[0], rng)
+    finally:
+        loaded[0].on_thread(loaded[0].measured.engine.close)
+        loaded[0].executor.close()
+
+
+def _scenarios(spec, tag: str, loaded, rng: random.Random) -> list:
+    from . import scenarios
+    from .meters import make_meter
+    from .throughput import throughput_rows
+
+    measured = loaded.measured
     meter = make_meter(spec.meter, measured.engine)
     rows = scenarios.profile_rows(tag, measured, spec)
     if meter is not None and spec.held_out:
         rows += guarded(f"{tag}: held-out", lambda: scenarios.held_out_rows(
-            tag, measured, meter, spec, rng))
+            tag, loaded, meter, spec, rng))
     _progress(f"{tag}: burst of {spec.burst}")
     rows += guarded(f"{tag}: burst", lambda: asyncio.run(scenarios.burst_rows(
-        tag, measured, args, meter, spec, rng)))
+        tag, loaded, meter, spec, rng)))
+    if spec.throughput is not None:
+        _progress(f"{tag}: throughput, bare and through the replica")
+        rows += guarded(f"{tag}: throughput", lambda: asyncio.run(throughput_rows(
+            tag, loaded, meter, spec, rng)))
     if spec.oom:
         _progress(f"{tag}: forced out-of-memory error")
         rows += guarded(f"{tag}: forced OOM", lambda: asyncio.run(scenarios.oom_rows(
-            tag, measured, args, meter, rng)))
-    measured.engine.close()
+            tag, loaded, meter, rng)))
     return rows
 
 

@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import psutil
 
@@ -154,26 +154,36 @@ class CudaMemoryProbe:
     """CUDA: capacity is the replica's ``share`` of the card (its ``num_gpus``), capped by what
     was free when the probe was created (another process may already use part of the card).
 
-    Use is ``torch.cuda.memory_reserved`` (what PyTorch's caching allocator holds); peaks are
-    ``max_memory_reserved`` after ``reset_peak_memory_stats``
-    (https://pytorch.org/docs/stable/notes/cuda.html#memory-management).
+    Use is ``torch.cuda.memory_reserved`` (what PyTorch's caching allocator holds, which other
+    processes cannot use): what the loaded model holds is counted in it. Peaks, of a profiled
+    shape and of each request, are ``max_memory_allocated`` after ``reset_peak_memory_stats``
+    (https://pytorch.org/docs/stable/notes/cuda.html#memory-management): the bytes the
+    request's tensors held at most, exact and the same on every run. Not reserved bytes: the
+    allocator reserves whole segments (2 MiB for small blocks, 20 MiB for blocks under 10 MiB,
+    and 20 MiB pages of an expandable segment), so a request's reserved peak measured from an
+    empty cache is its tensors rounded up to segments, a step function of the shape that no
+    smooth cost model fits (measured on an H200, see docs/profiling.md: held-out errors of
+    19.5-61.0 % against reserved peaks). What the allocator caches beyond the leased bytes is
+    bounded instead by :meth:`limit_to_capacity` and the budget's margin.
     """
 
     repeats = 1  # the caching allocator's counters are exact byte counts
-    method = "torch.cuda: capacity mem_get_info x share; use memory_reserved; peaks " \
-             "max_memory_reserved"
+    method = "torch.cuda: capacity mem_get_info x share (the allocator capped there); use " \
+             "memory_reserved; peaks max_memory_allocated"
 
     def __init__(self, share: float = 1.0, device_index: int = 0,
-                 capacity_override_bytes: int | None = None) -> None:
-        import torch
+                 capacity_override_bytes: int | None = None, cuda: Any = None) -> None:
+        if cuda is None:  # ``cuda``: torch.cuda, or a stand-in with its functions (tests)
+            import torch
 
-        self._torch = torch
+            cuda = torch.cuda
+        self._cuda = cuda
         self._index = device_index
         self._share = share
         self._capacity_override_bytes = capacity_override_bytes
-        free, total = torch.cuda.mem_get_info(device_index)
+        free, total = cuda.mem_get_info(device_index)
         self.free_at_start_bytes, self.total_bytes = free, total
-        self.device = f"cuda:{device_index} ({torch.cuda.get_device_name(device_index)})"
+        self.device = f"cuda:{device_index} ({cuda.get_device_name(device_index)})"
         self._request_baseline = 0
 
     def capacity_bytes(self) -> int:
@@ -181,31 +191,43 @@ class CudaMemoryProbe:
             return self._capacity_override_bytes
         return int(min(self.total_bytes * self._share, self.free_at_start_bytes))
 
+    def limit_to_capacity(self, limit_bytes: int | None = None) -> float:
+        """Cap what this process's caching allocator may reserve at ``limit_bytes`` (default
+        :meth:`capacity_bytes`) with ``torch.cuda.set_per_process_memory_fraction``; returns
+        the fraction of the card set. Past the cap the allocator first frees the blocks it
+        caches and tries again, and raises ``torch.OutOfMemoryError`` only when the live
+        tensors themselves do not fit (``c10/cuda/CUDACachingAllocator.cpp``, ``malloc`` and
+        ``alloc_block``): cached blocks can then never push a replica past its share of the
+        card into its neighbour's (Ray's fractional ``num_gpus`` limits no memory)."""
+        limit = self.capacity_bytes() if limit_bytes is None else limit_bytes
+        fraction = min(1.0, max(0.0, limit / self.total_bytes))
+        self._cuda.set_per_process_memory_fraction(fraction, self._index)
+        return fraction
+
     def used_bytes(self) -> int:
-        return self._torch.cuda.memory_reserved(self._index)
+        return self._cuda.memory_reserved(self._index)
 
     def start_peak(self) -> int:
-        self._torch.cuda.synchronize(self._index)
-        self._torch.cuda.empty_cache()
-        self._torch.cuda.reset_peak_memory_stats(self._index)
-        return self.used_bytes()
+        self._cuda.synchronize(self._index)
+        self._cuda.reset_peak_memory_stats(self._index)
+        return self._cuda.memory_allocated(self._index)
 
     def peak_bytes(self) -> int:
-        self._torch.cuda.synchronize(self._index)
-        return self._torch.cuda.max_memory_reserved(self._index)
+        self._cuda.synchronize(self._index)
+        return self._cuda.max_memory_allocated(self._index)
 
     def begin_request(self) -> None:
-        # No synchronize / empty_cache per request: the allocator's counters are host-side and
-        # updated at allocation time; allocated (not reserved) bytes are the request's own.
-        self._torch.cuda.reset_peak_memory_stats(self._index)
-        self._request_baseline = self._torch.cuda.memory_allocated(self._index)
+        # No synchronize per request: the allocator's counters are host-side and updated at
+        # allocation time.
+        self._cuda.reset_peak_memory_stats(self._index)
+        self._request_baseline = self._cuda.memory_allocated(self._index)
 
     def request_peak_bytes(self) -> int:
-        peak = self._torch.cuda.max_memory_allocated(self._index)
+        peak = self._cuda.max_memory_allocated(self._index)
         return max(0, peak - self._request_baseline)
 
     def memory_snapshot(self) -> dict[str, int]:
-        cuda = self._torch.cuda
+        cuda = self._cuda
         return {"device_allocated_bytes": cuda.memory_allocated(self._index),
                 "device_reserved_bytes": cuda.memory_reserved(self._index),
                 "host_resident_bytes": HostMemoryProbe.resident_bytes()}

@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from deployments.profiling import measure_replica
+from scripts.gpu_check.plan import GPU_FIT_ERROR_BOUND
 from serve_app.config import parse_args
 
 # Llama-shaped, ~1.1e9 parameters (TinyLlama-1.1B's dimensions), random weights.
 ONE_B_CONFIG = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                     num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
                     max_position_embeddings=2048)
-GPU_FIT_ERROR_BOUND = 0.25
 
 
 @pytest.fixture(scope="module")

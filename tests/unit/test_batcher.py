@@ -184,6 +184,26 @@ async def test_requests_waiting_while_a_pass_runs_form_the_next_pass_together() 
         assert_idle(replica.gate.queue)
 
 
+async def test_a_full_pass_waits_on_the_thread_behind_the_running_one() -> None:
+    # A backlog of a full pass is handed to the thread while the last pass still runs, so
+    # that the device goes from pass to pass; short of a full pass nothing more is formed.
+    async with held_replica(budget_bytes=10**6, max_batch_size=2) as (replica, gate, first):
+        full = [asyncio.create_task(replica.embed([words(3 + k, k)])) for k in (1, 2)]
+        await let_them_reach_the_batcher()
+        assert replica.batcher.passes == 2  # the running one and the full one behind it
+        assert replica.inference.running == 2
+        lone = asyncio.create_task(replica.embed([words(6, 3)]))
+        await let_them_reach_the_batcher()
+        assert replica.batcher.passes == 2  # one pass at most waits on the thread
+        gate.release.set()
+        rows = await asyncio.gather(first, *full, lone)
+        await replica.settle()
+        assert replica.batcher.passes == 3
+        assert [r.shape for r in rows] == [(1, replica.engine.dimensions)] * 4
+        assert replica.passes_within_leases() == (3.0, 3.0)
+        assert_idle(replica.gate.queue)
+
+
 async def test_completions_share_a_pass_with_their_own_kind_and_sampling() -> None:
     greedy, longer = GenerationParams(max_tokens=4, temperature=0.0), \
         GenerationParams(max_tokens=9, temperature=0.0)

@@ -19,7 +19,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from serve_app.admission.ticket import Ticket
 from serve_app.errors import InferenceTimeoutError, OverloadedError
+from serve_app.pricing import shape_bytes
 from serve_app.request import GenerationOutput, GenerationParams
 from tests.unit.conftest import assert_idle, completion_of
 from tests.unit.test_batcher import PER_TOKEN_BYTES, Replica, reference_engine, words
@@ -121,6 +123,29 @@ async def test_a_consumer_that_leaves_mid_stream_is_out_of_the_engine_within_a_s
         assert_idle(replica.gate.queue)
         assert replica.device.allocated_bytes == 0  # its KV blocks are free
         assert replica.parts.decode.figures()["running_sequences"] == 0
+    finally:
+        replica.close()
+
+
+async def test_the_next_step_is_on_the_thread_before_a_steps_texts_are_handed_out() -> None:
+    # While the event loop hands out one step's texts (and metrics, finished results), the
+    # next step already runs: the device does not idle through that bookkeeping.
+    replica = continuous_replica()
+    try:
+        request = replica.request("generate", [words(4, 5)],
+                                  GenerationParams(max_tokens=6, temperature=0.0))
+        admission = await replica.gate.acquire(
+            shape_bytes(replica.parts.cost_model, request.shape))
+        ticket = Ticket(request, admission,
+                        lambda t, ran: replica.gate.release(t.lease, ran=ran))
+        on_thread: list[int] = []
+        output = await replica.parts.decode.generate(
+            ticket, on_text=lambda _: on_thread.append(replica.inference.running))
+        ticket.caller_done()
+        assert output.completion_tokens == 6
+        assert on_thread[:-1] == [1] * (len(on_thread) - 1)  # the next step, on the thread
+        assert on_thread[-1] == 0  # after the last step nothing runs or waits
+        assert_idle(replica.gate.queue)
     finally:
         replica.close()
 
