@@ -255,7 +255,10 @@ class InferenceThread:
         or the client's shorter limit) without starting (counted as rejected here)."""
         self._metrics.inc("admission_decisions", len(tickets), outcome="rejected",
                           reason="queue_timeout")
-        bound_s = min(t.request.wait_bound_s(self._admission.max_queue_wait_s) for t in tickets)
+        bounds_s = [t.request.wait_bound_s(self._admission.max_queue_wait_s) for t in tickets]
+        for ticket, waited_s in zip(tickets, bounds_s, strict=True):
+            self._gate.record_timeout(waited_s, ticket.admission.predicted_wait_s)
+        bound_s = min(bounds_s)
         return OverloadedError(
             f"waited {bound_s:g} s for the inference thread without starting",
             code="queue_timeout",

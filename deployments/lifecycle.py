@@ -80,6 +80,12 @@ class RequestLifecycle:
         self._args, self._metrics, self._log = args, metrics, log
         self._replica_id, self._request_id = replica_id, request_id
 
+    def _steps(self, request: InferenceRequest) -> bool:
+        """Whether ``request`` runs on continuous batching (it joins the running batch once
+        its own bytes are free) rather than in a forward pass (after the work admitted
+        before it)."""
+        return self._decode is not None and KINDS[request.kind].generates
+
     async def infer(self, request: InferenceRequest,
                     admission: Admission | None = None) -> InferenceResult:
         """Run ``request`` once admitted; batched with others where its ``batch_key`` allows.
@@ -101,7 +107,7 @@ class RequestLifecycle:
                 self._gate.release(admission.lease, ran=False)
             raise
         async with self._lease(request, admission) as ticket:
-            if self._decode is not None and KINDS[request.kind].generates:
+            if self._steps(request):
                 output = await self._decode.generate(ticket)
             elif self._batcher is not None:
                 output = await self._batcher.run(ticket)
@@ -226,8 +232,9 @@ class RequestLifecycle:
                             prompt_tokens=shape.prompt_tokens, new_tokens=shape.new_tokens)
             sent_at_s = request.sent_at_s
             waited_s = 0.0 if sent_at_s is None else max(0.0, time.time() - sent_at_s)
-            admission = await self._gate.acquire(self._pricer.policy.units(request_bytes),
-                                                 waited_s, request.wait_limit_s, on_queued)
+            admission = await self._gate.acquire(
+                self._pricer.policy.units(request_bytes), waited_s, request.wait_limit_s,
+                on_queued, after_in_flight=not self._steps(request))
             # Kept with the lease: a batch runs outside this request's logging context.
             return replace(admission, request_id=self._request_id() or "")
         except ServeAppError as exc:

@@ -18,6 +18,7 @@ from deployments.replica_view import ReplicaView
 from serve_app.admission.calibration import WaitCalibration
 from serve_app.admission.drain import MAX_RETRY_AFTER_S
 from serve_app.errors import OverloadedError, ServeAppError
+from serve_app.kinds import KINDS
 from serve_app.memory.cost_model import Shape
 from serve_app.metrics import ProcessMetrics
 from serve_app.request import InferenceRequest, wait_bound_s
@@ -96,25 +97,28 @@ class ModelClient:
                 before it joins Ray Serve's queue.
         """
         units = await self._replicas.estimate(request.shape)
-        refusal = await self.predicted_refusal(units, request.wait_limit_s)
+        refusal = await self.predicted_refusal(units, request.wait_limit_s,
+                                               KINDS[request.kind].generates)
         if refusal is not None:
             raise refusal
         return request.sent(units, time.time())
 
-    async def shape_refusal(self, shape: Shape,
-                            wait_limit_s: float | None) -> OverloadedError | None:
+    async def shape_refusal(self, shape: Shape, wait_limit_s: float | None,
+                            generates: bool = False) -> OverloadedError | None:
         """:meth:`predicted_refusal` of a request of ``shape``, priced as the replicas
         publish."""
         if not await self._refuses_by_prediction(wait_limit_s):
             return None  # not priced on every request for nothing
-        return await self.predicted_refusal(await self._replicas.estimate(shape), wait_limit_s)
+        return await self.predicted_refusal(await self._replicas.estimate(shape), wait_limit_s,
+                                            generates)
 
-    async def predicted_refusal(self, units: int | None,
-                                wait_limit_s: float | None) -> OverloadedError | None:
+    async def predicted_refusal(self, units: int | None, wait_limit_s: float | None,
+                                generates: bool = False) -> OverloadedError | None:
         """The 503 ``predicted_timeout`` (counted in ``/metrics``) for a request of ``units``
         whose client waits ``wait_limit_s`` at most (``None``: no limit given), when every
         replica's published figures predict a longer wait than it may wait
-        (:meth:`ReplicaView.predicted_wait_s`, with this ingress's requests still waiting
+        (:meth:`ReplicaView.predicted_wait_s`; ``generates``: a completion, with this
+        ingress's requests still waiting
         for a replica ahead of it, and, while there are such, the median of the recent waits
         for a replica to take a request); ``None`` when it may be sent. Refuses nothing with
         ``admission.refuse_predicted_waits`` off and no client limit, nor while an
@@ -122,7 +126,8 @@ class ModelClient:
         and count it for the autoscaler)."""
         if not await self._refuses_by_prediction(wait_limit_s):
             return None
-        predicted_s = await self._replicas.predicted_wait_s(units, self._unassigned_units)
+        predicted_s = await self._replicas.predicted_wait_s(units, self._unassigned_units,
+                                                            generates)
         if predicted_s is not None and self._unassigned:
             predicted_s += self._assign_waits.margin_s()
         left_s = wait_bound_s(self._max_queue_wait_s, wait_limit_s)

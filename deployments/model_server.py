@@ -97,7 +97,8 @@ class ModelServer:
         self._replica = Replica(
             measured.engine, measured.probe, measured.cost_model, measured.budget_bytes, args,
             executor, metrics, identity,
-            request_id=lambda: serve.context._get_serve_request_context().request_id)
+            request_id=lambda: serve.context._get_serve_request_context().request_id,
+            prior_drain_bytes_per_s=measured.profile.drain_bytes_per_s)
         self._publisher = loop.create_task(publish_forever(
             registry, replica_id, metrics, self._refresh)) if registry else None
         # In the background: the replica serves (and scales) without waiting for Redis.

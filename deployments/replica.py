@@ -59,6 +59,9 @@ class Replica:
         metrics: the replica's metrics.
         identity: where it runs (for its state).
         request_id: the current request's id, for logs.
+        prior_drain_bytes_per_s: the drain rate its profile measured
+            (:attr:`serve_app.memory.profiler.MemoryProfile.drain_bytes_per_s`), what its
+            predicted waits use until it has measured one (byte-priced policies only).
 
     Build it on the replica's event loop (the batcher starts its task there).
     """
@@ -66,16 +69,19 @@ class Replica:
     def __init__(self, engine: Engine, probe: DeviceProbe, cost_model: CostModel,
                  budget_bytes: int, args: AppArgs, executor: ThreadPoolExecutor,
                  metrics: ProcessMetrics, identity: ReplicaIdentity = ReplicaIdentity(),
-                 request_id: Callable[[], str] = lambda: "") -> None:
+                 request_id: Callable[[], str] = lambda: "",
+                 prior_drain_bytes_per_s: float | None = None) -> None:
         adm = args.admission
         self.args, self.engine, self.probe, self.identity = args, engine, probe, identity
         self.jobs_queued = 0  # the app's durable queue as last read (deployments.jobs_worker)
         self.metrics = metrics
         self.cost_model = CorrectedCostModel(cost_model)
         self.policy = make_policy(adm, budget_bytes)
-        self.gate = AdmissionController(self.policy.capacity_units, adm.max_queue_len,
-                                        adm.max_queue_wait_s, thread_wait_s=self.thread_wait_s,
-                                        refuse_predicted=adm.refuse_predicted_waits)
+        bytes_priced = self.policy.gate_units == "bytes"
+        self.gate = AdmissionController(
+            self.policy.capacity_units, adm.max_queue_len, adm.max_queue_wait_s,
+            thread_wait_s=self.thread_wait_s, refuse_predicted=adm.refuse_predicted_waits,
+            prior_drain_bytes_per_s=prior_drain_bytes_per_s if bytes_priced else None)
         self.health = DeviceHealth(engine, probe, self.gate, self.policy, self.cost_model,
                                    adm, metrics)
         self.log = RequestLog(identity.replica_id, probe)

@@ -82,21 +82,26 @@ class ReplicaView:
         return estimate_units([s.cost_model for s in await self.states()], shape,
                               self._policy)
 
-    async def predicted_wait_s(self, units: int | None,
-                               ahead_units: int = 0) -> float | None:
+    async def predicted_wait_s(self, units: int | None, ahead_units: int = 0,
+                               generates: bool = False) -> float | None:
         """The shortest wait a request of ``units`` should get on any replica before it
         starts (:func:`serve_app.admission.drain.predicted_wait_s` of each replica's
         published gate, plus its published margin), ``None`` while no replica has a measured
         rate or its price is unknown. ``ahead_units``: requests of this ingress still waiting
-        for a replica (in Ray Serve's handle queue), which will queue ahead of it. Published
-        figures are up to a publish period old, so this is a first check: the replica decides
-        again on its own figures."""
+        for a replica (in Ray Serve's handle queue), which will queue ahead of it.
+        ``generates``: a completion, which on a replica with continuous batching joins the
+        running batch once its own bytes are free; anything else runs after the work leased
+        before it. Published figures are up to a publish period old, so this is a first
+        check: the replica decides again on its own figures."""
         if units is None:
             return None
         states = await self.states()
         ahead = ahead_units / max(1, len(states))  # the router spreads them over the replicas
-        waits = [(predicted_wait_s(s.gate.queued_bytes + ahead + units - s.gate.free_bytes,
-                                   s.gate.busy_drain_bytes_per_s, s.gate.thread_wait_s),
+        waits = [(predicted_wait_s(
+            s.gate.queued_bytes + ahead + units - s.gate.free_bytes,
+            s.gate.busy_drain_bytes_per_s, s.gate.thread_wait_s,
+            None if generates and s.kv_cache is not None
+            else s.gate.reserved_bytes + s.gate.queued_bytes + ahead),
                   s.gate.wait_margin_s) for s in states]
         known = [wait + margin for wait, margin in waits if wait is not None]
         return min(known) if known and len(known) == len(waits) else None

@@ -13,6 +13,11 @@ from collections.abc import Mapping
 
 PREFER_WAIT = "wait"
 RESPOND_ASYNC = "respond-async"
+NO_WAIT_BELOW_S = 0.1
+"""A limit shorter than this leaves no time to wait at all, and is read as 0 (the request
+runs if it can start at once, else it is refused at once): it is about what a request spends
+before it can start with nothing ahead of it (ingress to replica, Ray Serve's assignment, the
+inference thread's hand-off), which counts against the limit."""
 
 
 def preferences(headers: Mapping[str, str]) -> dict[str, str]:
@@ -30,12 +35,16 @@ def preferences(headers: Mapping[str, str]) -> dict[str, str]:
 
 def client_wait_limit_s(headers: Mapping[str, str]) -> float | None:
     """The shortest wait the client asked for, in seconds: ``Prefer: wait`` and
-    ``X-Stainless-Read-Timeout``, whichever is smaller; ``None`` when neither is a positive
-    finite number (a malformed value is ignored, as RFC 7240 asks of preferences)."""
+    ``X-Stainless-Read-Timeout``, whichever is smaller; ``0.0`` (do not wait: run only if it
+    can start at once) for ``0`` or anything under :data:`NO_WAIT_BELOW_S`; ``None`` when
+    neither is a finite number >= 0 (a malformed value is ignored, as RFC 7240 asks of
+    preferences)."""
     limits = [_seconds(preferences(headers).get(PREFER_WAIT)),
               _seconds(headers.get("x-stainless-read-timeout"))]
     given = [limit for limit in limits if limit is not None]
-    return min(given) if given else None
+    if not given:
+        return None
+    return 0.0 if min(given) < NO_WAIT_BELOW_S else min(given)
 
 
 def prefers_async(headers: Mapping[str, str]) -> bool:
@@ -48,4 +57,4 @@ def _seconds(text: str | None) -> float | None:
         value = float(text) if text is not None else None
     except ValueError:
         return None
-    return value if value is not None and math.isfinite(value) and value > 0 else None
+    return value if value is not None and math.isfinite(value) and value >= 0 else None

@@ -109,7 +109,8 @@ class InferenceRequest:
         sent_at_s: when the ingress handed it to Ray Serve (``time.time()``); the time it
             spends reaching a replica counts as queue wait.
         wait_limit_s: the longest the client will wait before it starts, seconds, when it
-            said so (``Prefer: wait``, ``X-Stainless-Read-Timeout``); ``None``: it did not.
+            said so (``Prefer: wait``, ``X-Stainless-Read-Timeout``); ``None``: it did not;
+            ``0``: it will not wait (:attr:`no_wait`).
     """
 
     kind: str
@@ -122,10 +123,18 @@ class InferenceRequest:
     sent_at_s: float | None = None
     wait_limit_s: float | None = None
 
+    @property
+    def no_wait(self) -> bool:
+        """The client will not wait: the request runs only if nothing is queued ahead of it
+        (the admission gate, the inference thread, Ray Serve's handle queue), else it is
+        refused at once; once let through, its hand-offs are bound as any request's."""
+        return self.wait_limit_s == 0
+
     def wait_bound_s(self, max_queue_wait_s: float) -> float:
         """The longest this request may wait before it starts, in all, seconds: the
-        replica's ``admission.max_queue_wait_s``, or the client's shorter limit."""
-        return wait_bound_s(max_queue_wait_s, self.wait_limit_s)
+        replica's ``admission.max_queue_wait_s``, or the client's shorter limit (a
+        :attr:`no_wait` request, admitted with nothing ahead, gets the replica's bound)."""
+        return wait_bound_s(max_queue_wait_s, None if self.no_wait else self.wait_limit_s)
 
     @property
     def token_counts(self) -> list[int]:

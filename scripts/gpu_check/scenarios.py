@@ -157,7 +157,8 @@ async def serving(loaded: Loaded, budget_bytes: int, meter: Any) -> AsyncIterato
     probe = PeakTrackingProbe(measured.probe, meter) if meter is not None else measured.probe
     replica = Replica(measured.engine, probe, measured.cost_model, budget_bytes, loaded.args,
                       loaded.executor, ProcessMetrics("ModelServer", "gpu-check", use_ray=False),
-                      ReplicaIdentity("gpu-check"))
+                      ReplicaIdentity("gpu-check"),
+                      prior_drain_bytes_per_s=measured.profile.drain_bytes_per_s)
     try:
         yield replica
     finally:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from serve_app.admission.budget import Lease, MemoryBudget
 from serve_app.admission.drain import DrainRateEstimator
 from serve_app.admission.queue import AdmissionQueue, Decision, Outcome, Reason, Waiter
+from serve_app.client_wait import NO_WAIT_BELOW_S
 from serve_app.errors import OverloadedError, RequestTooLargeError
 
 
@@ -57,6 +58,8 @@ class AdmissionController:
         thread_wait_s: the inference thread's backlog in seconds, for predictions
             (:meth:`AdmissionQueue.predicted_wait_s`).
         refuse_predicted: see :class:`AdmissionQueue`.
+        prior_drain_bytes_per_s: the drain rate predictions use before one is measured
+            (:class:`~serve_app.admission.drain.DrainRateEstimator`).
 
     Must be used from one event loop (the replica's).
     """
@@ -64,13 +67,15 @@ class AdmissionController:
     def __init__(self, budget_bytes: int, max_queue_len: int, max_queue_wait_s: float,
                  clock: Callable[[], float] = time.monotonic, drain_window_s: float = 10.0,
                  thread_wait_s: Callable[[], float] = lambda: 0.0,
-                 refuse_predicted: bool = True):
+                 refuse_predicted: bool = True,
+                 prior_drain_bytes_per_s: float | None = None):
         self._clock = clock
         self._futures: dict[int, asyncio.Future[Lease]] = {}
         self._watchers: dict[int, tuple[OnQueued, list[int]]] = {}
         self.queue = AdmissionQueue(
             MemoryBudget(budget_bytes), max_queue_len, max_queue_wait_s, clock,
-            DrainRateEstimator(drain_window_s, clock), on_admit=self._wake,
+            DrainRateEstimator(drain_window_s, clock, prior_drain_bytes_per_s),
+            on_admit=self._wake,
             on_change=self._moved, thread_wait_s=thread_wait_s,
             refuse_predicted=refuse_predicted)
 
@@ -80,12 +85,14 @@ class AdmissionController:
 
     async def acquire(self, nbytes: int, waited_s: float = 0.0,
                       wait_limit_s: float | None = None,
-                      on_queued: OnQueued | None = None) -> Admission:
+                      on_queued: OnQueued | None = None,
+                      after_in_flight: bool = False) -> Admission:
         """Wait for a lease of ``nbytes``. ``waited_s``: seconds the request already waited
         before it got here (see :meth:`AdmissionQueue.submit`); it shortens the wait allowed
         and counts in the admission's ``queue_wait_s``. ``wait_limit_s``: the client's own
         limit on its wait, if it gave one. ``on_queued``: told the request's position while
-        it waits (:data:`OnQueued`).
+        it waits (:data:`OnQueued`). ``after_in_flight``: it runs after all the work admitted
+        before it (forward passes; :meth:`AdmissionQueue.predicted_wait_s`).
 
         Raises:
             RequestTooLargeError: ``nbytes`` exceeds the whole measured budget (400, at once).
@@ -96,13 +103,13 @@ class AdmissionController:
             asyncio.CancelledError: the caller was cancelled; nothing stays reserved.
         """
         waited_s = max(0.0, waited_s)
-        decision = self.queue.submit(nbytes, waited_s, wait_limit_s)
+        decision = self.queue.submit(nbytes, waited_s, wait_limit_s, after_in_flight)
         if decision.outcome is Outcome.ADMITTED:
             return Admission(decision.lease, waited_s, 0,
                              predicted_wait_s=_after(waited_s, decision.predicted_wait_s))
         if decision.outcome is Outcome.REJECTED:
             raise _refusal(decision, self.queue.max_budget_bytes,
-                           self.queue.time_left_s(waited_s, wait_limit_s))
+                           self.queue.time_left_s(waited_s, wait_limit_s), wait_limit_s == 0)
         waiter = decision.waiter
         if on_queued is not None:
             position, eta_s = self.queue.positions()[waiter.waiter_id]
@@ -140,12 +147,23 @@ class AdmissionController:
             self.queue.cancel(waiter)
             if cancelled:
                 raise
+            self.record_timeout(waited_s + self._clock() - waiter.enqueued_at,
+                                _after(waited_s, waiter.predicted_wait_s))
             raise OverloadedError(
                 f"waited {waiter.deadline - waiter.enqueued_at + waited_s:g} s for memory "
                 "without being admitted", code=Reason.QUEUE_TIMEOUT.value,
                 retry_after_s=retry_after_s, queue_position=waiter.position) from None
         finally:
             self._futures.pop(waiter.waiter_id, None)
+
+    def record_timeout(self, waited_s: float, predicted_wait_s: float | None) -> None:
+        """A request predicted to wait ``predicted_wait_s`` gave up after ``waited_s``
+        (``queue_timeout``): its prediction fell short by at least the difference. Counted
+        with the errors of admitted requests (:mod:`serve_app.admission.calibration`): left
+        out, the worst misses, those that made a client wait its whole limit in vain, would
+        never raise the margin."""
+        if predicted_wait_s is not None:
+            self.queue.calibration.record(waited_s - predicted_wait_s)
 
     def release(self, lease: Lease, *, ran: bool = True) -> None:
         """Return a lease's bytes (idempotent) and admit whoever now fits.
@@ -210,9 +228,15 @@ def _after(waited_s: float, predicted_wait_s: float | None) -> float | None:
     return None if predicted_wait_s is None else waited_s + predicted_wait_s
 
 
-def _refusal(decision: Decision, budget_bytes: int, time_left_s: float) -> Exception:
+def _refusal(decision: Decision, budget_bytes: int, time_left_s: float,
+             no_wait: bool = False) -> Exception:
     reason, nbytes = decision.reason, decision.nbytes
     retry_after_s, queue_position = decision.retry_after_s, decision.queue_position
+    if reason is Reason.PREDICTED_TIMEOUT and no_wait:
+        return OverloadedError(
+            "refused at once: the client asked not to wait (Prefer: wait=0, or a limit under "
+            f"{NO_WAIT_BELOW_S:g} s) and the request cannot start now", code=reason.value,
+            retry_after_s=retry_after_s, queue_position=queue_position)
     if reason is Reason.PREDICTED_TIMEOUT:
         margin = (f" plus {decision.margin_s:.3g} s by which recent predictions fell short"
                   if decision.margin_s > 0 else "")

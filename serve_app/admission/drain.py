@@ -24,11 +24,18 @@ class DrainRateEstimator:
     Args:
         window_s: length of the window, seconds (> 0).
         clock: monotonic time source in seconds (injected for tests).
+        prior_bytes_per_s: the rate to predict with before any lease was released in the
+            window (a replica's profile: its fastest measured shape's price over its time,
+            :meth:`serve_app.memory.profiler.MemoryProfile.drain_bytes_per_s`), so that a
+            cold replica refuses what it cannot start in time instead of letting it wait its
+            whole limit; ``None``: no prediction until something drained.
     """
 
-    def __init__(self, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
+                 prior_bytes_per_s: float | None = None):
         if window_s <= 0:
             raise ValueError(f"window_s must be > 0, got {window_s}")
+        self.prior_bytes_per_s = prior_bytes_per_s or None
         self._window_s = window_s
         self._clock = clock
         self._started_at = clock()
@@ -77,10 +84,13 @@ class DrainRateEstimator:
         replica held leases, so an idle spell before a burst does not read as a slow drain
         (the plain windowed average would, and predictions made on it would refuse the
         burst). The windowed average (:meth:`bytes_per_s`) while the busy time is under
-        ``MIN_BUSY_S`` (no busy time was reported)."""
+        ``MIN_BUSY_S`` (no busy time was reported); ``prior_bytes_per_s`` while nothing was
+        released in the window."""
         rate = self.bytes_per_s()
         busy_s = self.busy_s()
-        if rate is None or busy_s < MIN_BUSY_S:
+        if rate is None:
+            return self.prior_bytes_per_s
+        if busy_s < MIN_BUSY_S:
             return rate
         return max(rate, self._bytes_in_window / busy_s)
 
@@ -104,18 +114,30 @@ class DrainRateEstimator:
 
 
 def predicted_wait_s(bytes_needed: int, bytes_per_s: float | None,
-                     thread_wait_s: float = 0.0) -> float | None:
-    """Seconds a request should wait before it starts: the longer of its wait for memory
-    (``bytes_needed``: the bytes queued ahead of it, plus its own, less what is free; over the
-    measured drain rate) and its wait for the inference thread (``thread_wait_s``, its
-    backlog of passes). The longer, not the sum: the thread works through its backlog while
-    the request waits for memory, so this leans short, and whoever refuses on it refuses
-    only what even the shorter wait cannot serve. ``None`` while no rate is measured and the
-    thread has no backlog: no prediction without a measurement."""
-    memory_s = None if not bytes_per_s else max(bytes_needed, 0) / bytes_per_s
-    if memory_s is None:
+                     thread_wait_s: float = 0.0,
+                     in_flight_bytes: int | None = None) -> float | None:
+    """Seconds a request should wait before it starts, the longest of:
+
+    - its wait for memory: ``bytes_needed`` (the bytes queued ahead of it, plus its own, less
+      what is free) over the measured drain rate;
+    - for work that runs after everything admitted before it (forward passes, which the one
+      inference thread runs in order: embeddings, completions off continuous batching), the
+      time to drain ``in_flight_bytes`` (leased now plus queued ahead of it) at that rate:
+      its memory may be free long before the thread reaches it. ``None`` for work that
+      starts as soon as its own bytes are free (a sequence joining continuous batching);
+    - its wait for the inference thread (``thread_wait_s``, its backlog of passes).
+
+    The longest, not a sum: these overlap (the thread works through its backlog while the
+    request waits for memory). ``None`` while no rate is measured and the thread has no
+    backlog: no prediction without a measurement (a replica's first one is its profile's,
+    :attr:`DrainRateEstimator.prior_bytes_per_s`).
+    """
+    if not bytes_per_s:
         return thread_wait_s if thread_wait_s > 0 else None
-    return max(memory_s, thread_wait_s)
+    waits = [max(bytes_needed, 0) / bytes_per_s, thread_wait_s]
+    if in_flight_bytes is not None:
+        waits.append(max(in_flight_bytes, 0) / bytes_per_s)
+    return max(waits)
 
 
 def wait_s(bytes_needed: int, bytes_per_s: float | None, fallback_s: float,

@@ -142,7 +142,7 @@ class AdmissionQueue:
         return self._queued_bytes
 
     def submit(self, nbytes: int, waited_s: float = 0.0,
-               wait_limit_s: float | None = None) -> Decision:
+               wait_limit_s: float | None = None, after_in_flight: bool = False) -> Decision:
         """Admit ``nbytes`` now, queue it, or refuse it. Never blocks.
 
         ``waited_s``: how long the request already waited before reaching this queue (in
@@ -150,7 +150,8 @@ class AdmissionQueue:
         (``Prefer: wait``, its SDK's read timeout), if it said so. The request has
         ``min(max_queue_wait_s, wait_limit_s) - waited_s`` left: a queued request's deadline
         is that long after it arrived here, and one predicted to wait longer is refused now
-        (``predicted_timeout``).
+        (``predicted_timeout``). ``after_in_flight``: it runs after all the work admitted
+        before it (see :meth:`predicted_wait_s`).
 
         Raises:
             ValueError: ``nbytes`` is negative.
@@ -163,8 +164,10 @@ class AdmissionQueue:
             return Decision(Outcome.REJECTED, nbytes, reason=Reason.OOM,
                             retry_after_s=self._retry_after_s(nbytes))
         self.expire()
+        if wait_limit_s == 0:
+            return self._at_once_or_refused(nbytes, after_in_flight)
         left_s = self.time_left_s(waited_s, wait_limit_s)
-        predicted_s = self.predicted_wait_s(nbytes)
+        predicted_s = self.predicted_wait_s(nbytes, after_in_flight)
         if predicted_s is not None and (self.refuse_predicted or wait_limit_s is not None):
             refusal = self._refusal_by_prediction(nbytes, predicted_s, left_s)
             if refusal is not None:
@@ -201,6 +204,23 @@ class AdmissionQueue:
                         queue_position=len(self._waiters), predicted_wait_s=predicted_s,
                         margin_s=margin_s)
 
+    def _at_once_or_refused(self, nbytes: int, after_in_flight: bool) -> Decision:
+        """A request that will not wait (``wait_limit_s`` 0): its lease now if nothing is
+        queued ahead of it, nothing it would run after is leased (``after_in_flight``) and
+        it fits; else ``predicted_timeout`` at once, with the wait it would have had as
+        ``Retry-After``."""
+        ahead = bool(self._waiters) or (after_in_flight and self.budget.reserved_bytes > 0)
+        lease = None if ahead else self.budget.try_reserve(nbytes)
+        predicted_s = self.predicted_wait_s(nbytes, after_in_flight)
+        if lease is not None:
+            return Decision(Outcome.ADMITTED, nbytes, lease=lease, predicted_wait_s=0.0)
+        self._predicted_refusals.append(self.clock())
+        wait_s = predicted_s if predicted_s else self._retry_after_s(
+            self._queued_bytes + nbytes - self.budget.free_bytes)
+        return Decision(Outcome.REJECTED, nbytes, reason=Reason.PREDICTED_TIMEOUT,
+                        retry_after_s=min(MAX_RETRY_AFTER_S, max(MIN_WAIT_S, wait_s)),
+                        queue_position=len(self._waiters), predicted_wait_s=predicted_s)
+
     def refused_by_prediction(self, window_s: float) -> int:
         """Requests refused by prediction in the last ``window_s`` seconds: demand that did
         not wait, which the autoscaler counts with the waiters."""
@@ -216,15 +236,17 @@ class AdmissionQueue:
             else min(self.max_queue_wait_s, wait_limit_s)
         return max(0.0, limit_s - max(0.0, waited_s))
 
-    def predicted_wait_s(self, nbytes: int) -> float | None:
+    def predicted_wait_s(self, nbytes: int, after_in_flight: bool = False) -> float | None:
         """Seconds a request of ``nbytes`` arriving now should wait before it starts
-        (:func:`serve_app.admission.drain.predicted_wait_s` of the bytes queued ahead of it
-        and the thread's backlog); ``None`` when nothing is measured yet. A request is refused
-        when this plus the margin of recent errors (``calibration``,
-        :mod:`serve_app.admission.calibration`) exceeds the time it has; its ``Retry-After``
-        is how much shorter the wait must get."""
+        (:func:`serve_app.admission.drain.predicted_wait_s` of the bytes queued ahead of it,
+        with, when ``after_in_flight`` (forward passes, run in order on the one thread), the
+        bytes leased now as well, and of the thread's backlog); ``None`` when nothing is
+        measured yet. A request is refused when this plus the margin of recent errors
+        (``calibration``, :mod:`serve_app.admission.calibration`) exceeds the time it has;
+        its ``Retry-After`` is how much shorter the wait must get."""
+        in_flight = self.budget.reserved_bytes + self._queued_bytes if after_in_flight else None
         return predicted_wait_s(self._queued_bytes + nbytes - self.budget.free_bytes,
-                                self.drain.busy_bytes_per_s(), self.thread_wait_s())
+                                self.drain.busy_bytes_per_s(), self.thread_wait_s(), in_flight)
 
     def positions(self) -> dict[int, tuple[int, float | None]]:
         """Every waiter's position now (waiters ahead of it) and its predicted wait to be

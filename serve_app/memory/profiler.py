@@ -71,7 +71,9 @@ def _volume(shape: Shape) -> int:
 @dataclass(frozen=True)
 class ProfilePoint:
     """One measured shape: its peak (median over the probe's repeats, bytes above the
-    baseline), how far the repeats spread (max - min, bytes), and what the models predict."""
+    baseline), how far the repeats spread (max - min, bytes), what the models predict, and
+    how long one inference of it took (median over the repeats, seconds; 0 in profiles saved
+    before it was recorded)."""
 
     batch: int
     prompt_tokens: int
@@ -81,6 +83,7 @@ class ProfilePoint:
     analytic_bytes: int
     held_out: bool
     spread_bytes: int = 0
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,21 @@ class MemoryProfile:
     @property
     def fit_error(self) -> float:
         return self.cost_model.fit_error
+
+    @property
+    def drain_bytes_per_s(self) -> float | None:
+        """The largest profiled shape's price over the seconds it ran alone: how fast a
+        replica busy with the largest requests the limits allow (those that make long waits)
+        gives leased bytes back, for predicted waits before it has measured its own drain
+        rate (``None`` in a profile without times). Not the fastest shape's: on the 2-core
+        dev machine MiniLM's rates ranged 30-176 MiB/s over the ladder, the largest shape's
+        94 MiB/s, and predicting a burst of largest requests at 176 let one of six wait its
+        whole limit (``python -m benchmarks.refusals --workload cold``)."""
+        timed = [p for p in self.points if p.seconds > 0 and p.predicted_bytes > 0]
+        if not timed:
+            return None
+        top = max(timed, key=lambda p: (p.predicted_bytes, p.seconds))
+        return top.predicted_bytes / top.seconds
 
     @property
     def analytic_ratio_range(self) -> tuple[float, float]:
@@ -161,7 +179,7 @@ class MemoryProfile:
         header = (" ".join(f"{axis:>{w}}" for axis, w in zip(self.shape_axes, widths,
                                                             strict=True))
                   + f" {'measured':>9} {'fitted':>9} {'error':>6} {'analytic':>9} "
-                  f"{'spread':>7}  set")
+                  f"{'spread':>7} {'seconds':>8}  set")
         rows = [header]
         for p in self.points:
             slots = (p.batch, p.prompt_tokens, p.new_tokens)
@@ -169,8 +187,8 @@ class MemoryProfile:
                 " ".join(f"{v:>{w}}" for v, w in zip(slots, widths, strict=True))
                 + f" {p.measured_bytes / 2**20:>9.1f} {p.predicted_bytes / 2**20:>9.1f} "
                 f"{relative_error(p.predicted_bytes, p.measured_bytes):>6.1%} "
-                f"{p.analytic_bytes / 2**20:>9.1f} {p.spread_bytes / 2**20:>7.1f}  "
-                f"{'held-out' if p.held_out else 'fit'}")
+                f"{p.analytic_bytes / 2**20:>9.1f} {p.spread_bytes / 2**20:>7.1f} "
+                f"{p.seconds:>8.3f}  {'held-out' if p.held_out else 'fit'}")
         return "\n".join(rows)
 
 
@@ -188,20 +206,25 @@ def load_profile(path: str | Path) -> MemoryProfile | None:
 
 def measure_peaks(run: Callable[[int, int, int], Any], probe: DeviceProbe,
                   shapes: list[Shape], on_progress: Callable[[str], None] = logger.info,
-                  shape_axes: tuple[str, ...] = TOKEN_AXES) -> list[tuple[int, int]]:
+                  shape_axes: tuple[str, ...] = TOKEN_AXES,
+                  clock: Callable[[], float] = time.monotonic,
+                  ) -> list[tuple[int, int, float]]:
     """Run each shape ``probe.repeats`` times; return ``(median, max - min)`` of its peak
-    bytes above the pre-run baseline, per shape. The median, because a noisy probe's single
-    readings stray both ways (see :class:`~serve_app.memory.probes.HostMemoryProbe`)."""
+    bytes above the pre-run baseline and the median seconds of a run, per shape. The median,
+    because a noisy probe's single readings stray both ways (see
+    :class:`~serve_app.memory.probes.HostMemoryProbe`)."""
     results = []
     for i, shape in enumerate(shapes, 1):
         started = time.monotonic()
-        readings = []
+        readings, durations = [], []
         for _ in range(max(1, probe.repeats)):
             baseline = probe.start_peak()
+            ran_at = clock()
             run(*shape)
+            durations.append(clock() - ran_at)
             readings.append(max(0, probe.peak_bytes() - baseline))
         median = int(statistics.median_low(readings))
-        results.append((median, max(readings) - min(readings)))
+        results.append((median, max(readings) - min(readings), statistics.median(durations)))
         spread = (f" (spread {results[-1][1] / 2**20:.1f} MiB over {len(readings)} runs)"
                   if len(readings) > 1 else "")
         size = " ".join(f"{axis}={value}" for axis, value in zip(shape_axes, shape,
@@ -230,7 +253,7 @@ def profile_memory(run: Callable[[int, int, int], Any], probe: DeviceProbe,
     train, held_out = ladder
     run(*train[0])
     measured = measure_peaks(run, probe, train + held_out, on_progress, shape_axes)
-    peaks = [median for median, _ in measured]
+    peaks = [median for median, _, _ in measured]
     train_peaks, held_peaks = peaks[:len(train)], peaks[len(train):]
     if not any(peaks):
         raise ValueError(f"every measured peak was 0 bytes with {probe.method}")
@@ -245,9 +268,9 @@ def profile_memory(run: Callable[[int, int, int], Any], probe: DeviceProbe,
     points = tuple(
         ProfilePoint(*shape, measured_bytes=median, predicted_bytes=fitted.request_bytes(*shape),
                      analytic_bytes=analytic.request_bytes(*shape) if analytic else 0,
-                     held_out=i >= len(train), spread_bytes=spread)
-        for i, (shape, (median, spread)) in enumerate(zip(train + held_out, measured,
-                                                          strict=True)))
+                     held_out=i >= len(train), spread_bytes=spread, seconds=seconds)
+        for i, (shape, (median, spread, seconds)) in enumerate(zip(train + held_out, measured,
+                                                                   strict=True)))
     return MemoryProfile(device=probe.device, method=probe.method, task=task,
                          model_path=model_path, capacity_bytes=probe.capacity_bytes(),
                          held_bytes=held_bytes, cost_model=fitted, points=points,

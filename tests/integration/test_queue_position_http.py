@@ -88,3 +88,26 @@ async def test_an_openai_client_with_timeout_2_is_refused_at_once_by_a_long_back
         int(response.headers["retry-after"]) == 1
     assert statuses == [200] * 5
     app.check_invariants()
+
+
+async def test_prefer_wait_0_runs_at_once_or_is_refused_at_once(app):
+    # Zero means the client waits zero seconds (issue: "Prefer: wait=0 is read as no
+    # limit"): served when nothing is ahead of it, else refused at arrival, never queued.
+    no_wait = {"prefer": "wait=0"}
+    async with httpx.AsyncClient(base_url=app.base_url, timeout=60) as http:
+        alone = await http.post("/v1/completions", json=BODY, headers=no_wait)
+        assert alone.status_code == 200, alone.text
+        backlog = [asyncio.ensure_future(http.post("/v1/completions", json=BODY))
+                   for _ in range(2)]  # one runs, one waits
+        await _queue_depth(http, 1)
+        behind = await http.post("/v1/completions", json=BODY, headers=no_wait)
+        read_timeout = await http.post("/v1/completions", json=BODY,
+                                       headers={"x-stainless-read-timeout": "0.05"})
+        statuses = [r.status_code for r in await asyncio.gather(*backlog)]
+    for refused in (behind, read_timeout):
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "predicted_timeout"  # at arrival
+        assert "x-queue-wait-ms" not in refused.headers  # it never waited in the queue
+        assert int(refused.headers["retry-after-ms"]) >= 1
+    assert statuses == [200] * 2
+    app.check_invariants()

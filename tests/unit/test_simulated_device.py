@@ -152,10 +152,14 @@ def test_a_noisy_probe_is_read_several_times_and_the_median_kept() -> None:
     probe = SimulatedDeviceProbe(device)
     probe.repeats = 3  # as a noisy probe declares (host RSS)
     readings = iter([5 * MIB, 1 * MIB, 3 * MIB, 2 * MIB, 2 * MIB, 2 * MIB])
+    durations = iter([0.5, 0.1, 0.3, 0.2, 0.2, 0.4])
+    now = [0.0]
 
     def run(batch: int, prompt_tokens: int, new_tokens: int) -> None:
+        now[0] += next(durations)  # the inference's own time, on a fake clock
         with device.allocate(next(readings)):
             pass
 
-    assert measure_peaks(run, probe, [(1, 8, 0), (2, 8, 0)], on_progress=lambda _: None) == [
-        (3 * MIB, 4 * MIB), (2 * MIB, 0)]
+    assert measure_peaks(run, probe, [(1, 8, 0), (2, 8, 0)], on_progress=lambda _: None,
+                         clock=lambda: now[0]) == [
+        (3 * MIB, 4 * MIB, pytest.approx(0.3)), (2 * MIB, 0, pytest.approx(0.2))]

@@ -9,11 +9,16 @@ import pickle
 import pytest
 
 from deployments.http_errors import error_response
+from serve_app.admission.budget import MemoryBudget
 from serve_app.admission.calibration import MIN_ERRORS, WaitCalibration
-from serve_app.admission.drain import predicted_wait_s
-from serve_app.admission.queue import Outcome, Reason
+from serve_app.admission.controller import AdmissionController
+from serve_app.admission.drain import DrainRateEstimator, predicted_wait_s
+from serve_app.admission.queue import AdmissionQueue, Outcome, Reason
 from serve_app.client_wait import client_wait_limit_s, prefers_async
 from serve_app.errors import OverloadedError
+from serve_app.memory.cost_model import FittedCostModel
+from serve_app.memory.profiler import MemoryProfile, ProfilePoint
+from tests.unit.conftest import assert_idle
 from tests.unit.test_queue import admitted, queued
 
 
@@ -138,6 +143,9 @@ def test_retry_after_ms_keeps_the_fraction_and_survives_pickling() -> None:
     ({"prefer": "wait=5", "x-stainless-read-timeout": "600"}, 5.0),
     ({"prefer": "wait=abc", "x-stainless-read-timeout": "-1"}, None),
     ({"x-stainless-read-timeout": "inf"}, None),
+    ({"prefer": "wait=0"}, 0.0),  # do not wait: not "no limit"
+    ({"prefer": "wait=5", "x-stainless-read-timeout": "0.05"}, 0.0),  # under NO_WAIT_BELOW_S
+    ({"x-stainless-read-timeout": "0.1"}, 0.1),
 ])
 def test_client_wait_limit_from_headers(headers, limit) -> None:
     assert client_wait_limit_s(headers) == limit
@@ -214,3 +222,119 @@ def test_a_refusal_by_prediction_names_its_margin(make_controller, clock) -> Non
                           "recent predictions fell short exceeds the 10 s this request may "
                           "wait")
     queue.release(held.lease)
+
+
+def test_a_forward_pass_is_predicted_behind_the_work_leased_before_it(make_queue,
+                                                                       clock) -> None:
+    # Memory is free, but the thread runs passes in order: a pass request starts only once
+    # the 60 B leased before it have drained (3 s at 20 B/s); a sequence joining continuous
+    # batching needs only its own bytes free.
+    queue = make_queue(budget_bytes=100, max_queue_wait_s=10.0)
+    _drain_at_20_bytes_per_s(queue, clock)
+    running = admitted(queue, 60)
+    assert queue.predicted_wait_s(30) == pytest.approx(0.0)
+    assert queue.predicted_wait_s(30, after_in_flight=True) == pytest.approx(3.0)
+    refused = queue.submit(30, wait_limit_s=2.0, after_in_flight=True)
+    assert (refused.reason, refused.predicted_wait_s) == (Reason.PREDICTED_TIMEOUT,
+                                                          pytest.approx(3.0))
+    joins = queue.submit(30, wait_limit_s=2.0)  # continuous batching: it starts now
+    assert joins.outcome is Outcome.ADMITTED
+    queue.release(joins.lease)
+    queue.release(running.lease)
+
+
+def test_a_cold_replica_predicts_from_its_profile(clock) -> None:
+    # Nothing drained yet: the profile's rate (20 B/s) stands in, so the third maximal
+    # request, 2 x 4 s behind the two leased before it, is refused at once, not after
+    # waiting its whole 6 s for nothing.
+    queue = AdmissionQueue(MemoryBudget(1000), 8, 6.0, clock=clock,
+                           drain=DrainRateEstimator(10.0, clock, prior_bytes_per_s=20.0))
+    first, second = admitted(queue, 80), queue.submit(80, after_in_flight=True)
+    assert second.outcome is Outcome.ADMITTED
+    assert second.predicted_wait_s == pytest.approx(4.0)
+    third = queue.submit(80, after_in_flight=True)
+    assert (third.reason, third.predicted_wait_s) == (Reason.PREDICTED_TIMEOUT,
+                                                      pytest.approx(8.0))
+    for decision in (first, second):
+        clock.advance(4)
+        queue.release(decision.lease)
+    assert queue.drain.busy_bytes_per_s() == pytest.approx(20.0)  # measured from now on
+    assert_idle(queue)
+
+
+def test_requests_that_waited_their_whole_limit_raise_the_margin() -> None:
+    # A prediction that let a request wait its whole limit in vain is the costly miss: it
+    # counts with the errors of admitted requests, else timeouts could never raise the
+    # margin. Real timers of 50 ms (the controller waits on asyncio's clock).
+    controller = AdmissionController(100, MIN_ERRORS + 1, 0.05,
+                                     prior_drain_bytes_per_s=1e6)
+
+    async def scenario() -> list[str]:
+        held = await controller.acquire(100)
+        outcomes = await asyncio.gather(*(controller.acquire(10) for _ in range(MIN_ERRORS)),
+                                        return_exceptions=True)
+        controller.release(held.lease)
+        return [getattr(outcome, "code", "admitted") for outcome in outcomes]
+
+    assert asyncio.run(scenario()) == ["queue_timeout"] * MIN_ERRORS
+    # Each was predicted ~0.1 ms (110 B at 1 MB/s) and waited 50 ms.
+    assert 0.04 <= controller.queue.calibration.margin_s() <= 0.5
+    assert_idle(controller.queue)
+
+
+def test_the_profile_gives_its_fastest_measured_drain() -> None:
+    def point(price: int, seconds: float) -> ProfilePoint:
+        return ProfilePoint(1, 8, 0, price, price, 0, False, seconds=seconds)
+
+    fitted = FittedCostModel(("const",), (1.0,))
+    profile = MemoryProfile("cpu", "test", "fake", "fake", 1 << 30, 0, fitted,
+                            (point(100, 2.0), point(900, 3.0), point(50, 0.0)), 1.0)
+    assert profile.drain_bytes_per_s == pytest.approx(300.0)  # the largest: 900 B in 3 s
+    faster_small = MemoryProfile(**{**profile.__dict__,
+                                    "points": (*profile.points, point(600, 0.5))})
+    assert faster_small.drain_bytes_per_s == pytest.approx(300.0)  # not 1200 B/s
+    saved_before_times = MemoryProfile.from_dict(
+        {**profile.to_dict(), "points": [{**p, "seconds": 0.0} for p in
+                                         profile.to_dict()["points"]]})
+    assert saved_before_times.drain_bytes_per_s is None  # no prior: predict once measured
+
+
+def test_a_request_that_will_not_wait_runs_at_once_or_is_refused_at_once(make_queue,
+                                                                         clock) -> None:
+    queue = make_queue(budget_bytes=100, max_queue_wait_s=10.0)
+    now = queue.submit(40, waited_s=0.5, wait_limit_s=0.0)  # nothing ahead: runs
+    assert (now.outcome, now.predicted_wait_s) == (Outcome.ADMITTED, 0.0)
+    # A pass behind the 40 B leased before it would wait for them: refused, not queued,
+    # even before any drain rate is measured (Retry-After: the queue's wait limit).
+    behind = queue.submit(40, wait_limit_s=0.0, after_in_flight=True)
+    assert (behind.outcome, behind.reason, behind.retry_after_s) == (
+        Outcome.REJECTED, Reason.PREDICTED_TIMEOUT, pytest.approx(10.0))
+    # A sequence joining continuous batching needs only its own bytes free: it runs.
+    joins = queue.submit(40, wait_limit_s=0.0)
+    assert joins.outcome is Outcome.ADMITTED
+    for decision in (now, joins):
+        queue.release(decision.lease)
+    _drain_at_20_bytes_per_s(queue, clock)
+    held = admitted(queue, 90)  # the budget all but full: 30 B would wait for memory
+    full = queue.submit(30, wait_limit_s=0.0)
+    assert full.reason is Reason.PREDICTED_TIMEOUT and full.predicted_wait_s > 0
+    assert full.retry_after_s == pytest.approx(full.predicted_wait_s)  # the wait it had
+    assert queue.queue_depth == 0
+    queue.release(held.lease)
+
+
+def test_a_refusal_of_a_request_that_will_not_wait_says_why(make_controller) -> None:
+    controller = make_controller(budget_bytes=100)
+    queue = controller.queue
+    held = admitted(queue, 100)
+
+    async def scenario() -> OverloadedError:
+        with pytest.raises(OverloadedError) as refused:
+            await controller.acquire(10, wait_limit_s=0.0)
+        return refused.value
+
+    error = asyncio.run(scenario())
+    queue.release(held.lease)
+    assert error.code == "predicted_timeout" and error.retry_after_s > 0
+    assert str(error) == ("refused at once: the client asked not to wait (Prefer: wait=0, or a "
+                          "limit under 0.1 s) and the request cannot start now")
