@@ -1,14 +1,19 @@
-"""What a client sees for errors raised outside our own types."""
+"""What a client sees for errors raised outside our own types: Starlette's 404s, a job
+store that does not answer, a bug."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import pytest
+from fastapi.testclient import TestClient
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from deployments.http_errors import as_serve_app_error, error_response
+from serve_app.config import parse_args
+from tests.ingress_parts import ingress_app
 
 
 @pytest.mark.parametrize("exc", [RedisConnectionError("Error 111 connecting to unix socket"),
@@ -27,3 +32,35 @@ def test_anything_unknown_is_a_500_that_names_nothing_inside(caplog) -> None:
     assert response.status_code == 500
     assert "secret" not in response.body.decode()
     assert "unexpected error" in caplog.text
+
+
+@pytest.fixture(scope="module")
+def fake_ingress() -> Iterator[TestClient]:
+    """The ingress of the fake model (embeddings, completions and chat; no speech)."""
+    args = parse_args({"model": {"task": "fake", "name": "fake"}})
+    with TestClient(ingress_app(args)) as client:
+        yield client
+
+
+@pytest.mark.parametrize("path", ["/v1/nonexistent", "/nope"])
+def test_a_path_that_exists_nowhere_is_a_plain_404_not_found(fake_ingress, path) -> None:
+    for response in (fake_ingress.post(path, json={"input": "x"}), fake_ingress.get(path)):
+        assert response.status_code == 404
+        assert response.json() == {"error": {
+            "message": f"no such route: {path} (GET /openapi.json lists the routes)",
+            "type": "invalid_request_error", "code": "not_found"}}
+
+
+def test_a_route_no_model_here_serves_is_404_model_not_found_saying_so(fake_ingress) -> None:
+    path = "/v1/audio/transcriptions"
+    named = fake_ingress.post(path, json={"model": "fake"})
+    other = fake_ingress.post(path, json={"model": "whisper"})
+    unnamed = fake_ingress.post(path, files={"file": ("a.wav", b"RIFF")})
+    assert {named.status_code, other.status_code, unnamed.status_code} == {404}
+    tail = f"no model here serves {path} (GET /v1/models lists every model)"
+    assert named.json()["error"] == {"message": f"model 'fake' does not serve {path}; {tail}",
+                                     "type": "invalid_request_error",
+                                     "code": "model_not_found"}
+    assert other.json()["error"]["message"] == f"model 'whisper' is not served here; {tail}"
+    assert unnamed.json()["error"]["message"] == tail
+    assert path not in fake_ingress.get("/openapi.json").json()["paths"]
