@@ -87,8 +87,8 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self._app(scope, receive, send)
             return
-        too_large = error_response(
-            BodyTooLargeError(f"the body exceeds {self._max_body_bytes} bytes"))
+        too_large = error_response(BodyTooLargeError(
+            f"the body exceeds limits.max_body_bytes = {self._max_body_bytes} bytes"))
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self._max_body_bytes:
             await too_large(scope, receive, send)

@@ -115,7 +115,21 @@ def test_body_over_the_limit_is_413_with_or_without_content_length(client):
                           headers={"content-type": "application/json"})
     for response in (declared, chunked):
         assert response.status_code == 413
-        assert response.json()["error"]["code"] == "body_too_large"
+        assert response.json()["error"] == {
+            "message": "the body exceeds limits.max_body_bytes = 1048576 bytes",
+            "type": "invalid_request_error", "code": "body_too_large"}
+
+
+@pytest.mark.parametrize(("value", "what"), [
+    (5, "a number"), (1.5, "a number"), (True, "a boolean"), (None, "null"),
+    ({"text": "x"}, "an object"), ([], "an empty list")])
+def test_an_input_of_the_wrong_type_is_told_its_type(client, value, what):
+    response = client.post("/v1/embeddings", json={"input": value})
+    assert response.status_code == 400
+    assert response.json()["error"] == {
+        "message": "input: input must be a string, a list of strings, a list of token ids or "
+                   f"a list of lists of token ids, not {what}",
+        "type": "invalid_request_error", "code": "input"}
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions",

@@ -1,5 +1,5 @@
-"""What a client sees for errors raised outside our own types: Starlette's 404s, a job
-store that does not answer, a bug."""
+"""What a client sees for errors raised outside our own types: Starlette's 404s and 413s,
+a job store that does not answer, a bug."""
 
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ def test_anything_unknown_is_a_500_that_names_nothing_inside(caplog) -> None:
 @pytest.fixture(scope="module")
 def fake_ingress() -> Iterator[TestClient]:
     """The ingress of the fake model (embeddings, completions and chat; no speech)."""
-    args = parse_args({"model": {"task": "fake", "name": "fake"}})
+    args = parse_args({"model": {"task": "fake", "name": "fake"},
+                       "limits": {"max_body_bytes": 1000}})
     with TestClient(ingress_app(args)) as client:
         yield client
 
@@ -64,3 +65,11 @@ def test_a_route_no_model_here_serves_is_404_model_not_found_saying_so(fake_ingr
     assert other.json()["error"]["message"] == f"model 'whisper' is not served here; {tail}"
     assert unnamed.json()["error"]["message"] == tail
     assert path not in fake_ingress.get("/openapi.json").json()["paths"]
+
+
+def test_a_body_over_the_limit_names_the_knob(fake_ingress) -> None:
+    response = fake_ingress.post("/v1/embeddings", json={"input": "x" * 1000})
+    assert response.status_code == 413
+    assert response.json()["error"] == {
+        "message": "the body exceeds limits.max_body_bytes = 1000 bytes",
+        "type": "invalid_request_error", "code": "body_too_large"}
