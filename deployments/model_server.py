@@ -31,6 +31,7 @@ from deployments.replica import Replica, ReplicaIdentity
 from deployments.request_factory import RequestFactory
 from deployments.routes import ROUTES, RouteContext
 from serve_app.config import AppArgs, parse_args
+from serve_app.errors import ServeAppError
 from serve_app.measurement import allocator_setting
 from serve_app.metrics import REPLICA_EVENT_COUNTERS, ProcessMetrics
 from serve_app.replica_state import ReplicaState
@@ -124,14 +125,17 @@ class ModelServer:
             return
         await self._jobs.run_forever()
 
-    async def infer(self, request: InferenceRequest) -> InferenceResult:
-        """Run one validated request (:meth:`RequestLifecycle.infer`)."""
-        return await self._replica.lifecycle.infer(request)
+    async def infer(self, request: InferenceRequest) -> InferenceResult | ServeAppError:
+        """Run one validated request: its result, or its typed error returned, not raised,
+        so that Ray Serve does not log a refusal as a failed request (:meth:`Replica.answer`).
+        """
+        return await self._replica.answer(request)
 
     async def infer_stream(self, request: InferenceRequest,
                            ) -> AsyncIterator[dict[str, Any]]:
-        """Stream one validated request (:meth:`RequestLifecycle.infer_stream`)."""
-        async for item in self._replica.lifecycle.infer_stream(request):
+        """Stream one validated request; its typed error as a last ``{"error": ...}`` item
+        (:meth:`Replica.answer_stream`)."""
+        async for item in self._replica.answer_stream(request):
             yield item
 
     async def check_health(self) -> None:
