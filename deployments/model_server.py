@@ -12,6 +12,7 @@ admission) while the model is busy. Its state goes to the router
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -135,8 +136,9 @@ class ModelServer:
                            ) -> AsyncIterator[dict[str, Any]]:
         """Stream one validated request; its typed error as a last ``{"error": ...}`` item
         (:meth:`Replica.answer_stream`)."""
-        async for item in self._replica.answer_stream(request):
-            yield item
+        async with contextlib.aclosing(self._replica.answer_stream(request)) as items:
+            async for item in items:  # closed with this one (its consumer gone)
+                yield item
 
     async def check_health(self) -> None:
         """Ray Serve's health check (every ``deployment.health_check_period_s``).

@@ -13,6 +13,7 @@ Parts, each handed to the next through its constructor: the admission policy
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -110,8 +111,9 @@ class Replica:
         """:meth:`RequestLifecycle.infer_stream`'s items; its typed error, before or after
         the first item, as a last ``{"error": ServeAppError}`` item (as :meth:`answer`)."""
         try:
-            async for item in self.lifecycle.infer_stream(request):
-                yield item
+            async with contextlib.aclosing(self.lifecycle.infer_stream(request)) as items:
+                async for item in items:  # closed with this one (its consumer gone)
+                    yield item
         except ServeAppError as err:
             yield {"error": self.refused(request, err)}
 

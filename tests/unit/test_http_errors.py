@@ -1,17 +1,22 @@
 """What a client sees for errors raised outside our own types: Starlette's 404s and 413s,
-a job store that does not answer, a bug."""
+a job store that does not answer, a bug; and what a client that leaves a stream does."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from fastapi.testclient import TestClient
+from ray.exceptions import TaskCancelledError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from starlette.responses import StreamingResponse
+from starlette.types import Message, Receive, Scope, Send
 
 from deployments.http_errors import as_serve_app_error, error_response
+from deployments.http_middleware import BodyLimitMiddleware
 from serve_app.config import parse_args
 from tests.ingress_parts import ingress_app
 
@@ -73,3 +78,38 @@ def test_a_body_over_the_limit_names_the_knob(fake_ingress) -> None:
     assert response.json()["error"] == {
         "message": "the body exceeds limits.max_body_bytes = 1000 bytes",
         "type": "invalid_request_error", "code": "body_too_large"}
+
+
+async def test_a_receive_that_ray_cancelled_ends_a_stream_as_a_disconnect() -> None:
+    # When the client leaves, Ray Serve's proxy cancels the ingress's pull of the request's
+    # messages: `receive` raises TaskCancelledError where Starlette listens for the
+    # disconnect. It is one, not a bug (it was logged "unexpected error" with a traceback).
+    sent: list[Message] = []
+    asked, first_event_sent = 0, asyncio.Event()
+
+    async def receive() -> Message:
+        nonlocal asked
+        asked += 1
+        if asked == 1:
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+        await first_event_sent.wait()  # the client leaves after the first event
+        raise TaskCancelledError()
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+        if message["type"] == "http.response.body":
+            first_event_sent.set()
+
+    async def events() -> AsyncIterator[str]:
+        yield "data: 1\n\n"
+        await asyncio.Event().wait()  # a stream that would go on
+
+    async def streaming(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()  # the body
+        await StreamingResponse(events())(scope, receive, send)
+
+    scope = {"type": "http", "asgi": {"spec_version": "2.3"}, "method": "POST",
+             "path": "/v1/completions", "headers": []}
+    await asyncio.wait_for(BodyLimitMiddleware(streaming, 1000)(scope, receive, send), 5)
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+    assert sent[1]["body"] == b"data: 1\n\n"

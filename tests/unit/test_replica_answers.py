@@ -3,11 +3,14 @@
 
 A typed error (a refusal: 400, 503) is returned as a value, not raised, and is one INFO line
 of the request log: an exception escaping a Ray Serve method is logged ``ERROR ... Request
-failed.`` with its traceback, and a refusal is the product working.
+failed.`` with its traceback, and a refusal is the product working. A stream whose consumer
+leaves half-way (Ray cancels it, or closes it at an item) is counted once as
+``cancelled``/``client_gone``, with one INFO line.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import pytest
@@ -15,7 +18,9 @@ import pytest
 from serve_app.errors import RequestTooLargeError
 from serve_app.request import GenerationParams, InferenceRequest
 from serve_app.schemas import InferenceResult
-from tests.unit.test_batcher import PER_TOKEN_BYTES, Replica, words
+from tests.unit.test_batcher import LABELS, PER_TOKEN_BYTES, Replica, words
+
+GONE = {**LABELS, "outcome": "cancelled", "reason": "client_gone"}
 
 
 def _lines(caplog: pytest.LogCaptureFixture, start: str) -> list[logging.LogRecord]:
@@ -59,4 +64,41 @@ async def test_a_refusal_is_returned_as_its_typed_error_and_logged_at_info(caplo
     assert [(r.code, r.status, r.estimated_bytes) for r in lines] == [
         ("request_too_large", 400, _exact_bytes(too_large)),
         ("request_too_large", 400, _exact_bytes(streamed_request))]
+    assert _warnings(caplog) == []
+
+
+@pytest.mark.parametrize("continuous", [False, True])
+@pytest.mark.parametrize("leaves", ["closes the stream", "is cancelled"])
+async def test_a_consumer_that_leaves_mid_stream_is_counted_gone_once(
+        caplog, continuous: bool, leaves: str) -> None:
+    replica = Replica(budget_bytes=64 * 64 * PER_TOKEN_BYTES, max_batch_size=8,
+                      latency_per_token_s=0.002, continuous=continuous)
+    caplog.set_level(logging.INFO, logger="ray.serve")
+    request = replica.request("generate", [words(4, 3)],
+                              GenerationParams(max_tokens=50, temperature=0.0), True)
+    stream = replica.parts.answer_stream(request)
+    two_pieces = asyncio.Event()
+
+    async def consume() -> None:
+        pieces = 0
+        async for item in stream:
+            pieces += "text" in item
+            if pieces == 2:
+                two_pieces.set()
+                if leaves == "closes the stream":
+                    return
+
+    try:
+        consumer = asyncio.create_task(consume())
+        await two_pieces.wait()
+        if leaves == "is cancelled":  # as Ray Serve cancels it when the ingress lets go
+            consumer.cancel()
+        await asyncio.gather(consumer, return_exceptions=True)
+        await stream.aclose()
+    finally:
+        replica.close()
+    assert replica.metrics.registry.get_sample_value(
+        "vramgate_admission_decisions_total", GONE) == 1.0
+    [line] = _lines(caplog, "request client gone:")
+    assert (line.levelno, line.estimated_bytes) == (logging.INFO, _exact_bytes(request))
     assert _warnings(caplog) == []
