@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serve_app.errors import (
     InternalError,
     InvalidRequestError,
-    ModelNotFoundError,
+    NotFoundError,
     OverloadedError,
     ServeAppError,
 )
@@ -101,10 +101,10 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(_validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if exc.status_code == 404:
-            err: ServeAppError = ModelNotFoundError(
-                "no such route for this deployment (see GET /v1/models)")
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:  # an inference route no model serves has its own 404
+            err: ServeAppError = NotFoundError(
+                f"no such route: {request.url.path} (GET /openapi.json lists the routes)")
         elif exc.status_code == 400:  # FastAPI could not decode the body (e.g. bad UTF-8)
             err = InvalidRequestError("the body is not valid JSON (or not UTF-8)",
                                       code="invalid_json")

@@ -8,6 +8,7 @@ import hmac
 import time
 
 from fastapi import Request
+from ray.exceptions import TaskCancelledError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deployments.http_errors import error_response
@@ -77,7 +78,8 @@ class HeadMiddleware:
 class BodyLimitMiddleware:
     """Refuses bodies over ``max_body_bytes`` with 413: at once when ``Content-Length`` says
     so, else as soon as the streamed (chunked) body passes the limit. A body within the limit
-    is read here and handed on whole; later ``receive`` calls (disconnects) pass through."""
+    is read here and handed on whole; later ``receive`` calls (disconnects) pass through,
+    a receive Ray Serve cancelled as the disconnect it is (:func:`receive_or_disconnect`)."""
 
     def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
         self._app = app
@@ -87,15 +89,15 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self._app(scope, receive, send)
             return
-        too_large = error_response(
-            BodyTooLargeError(f"the body exceeds {self._max_body_bytes} bytes"))
+        too_large = error_response(BodyTooLargeError(
+            f"the body exceeds limits.max_body_bytes = {self._max_body_bytes} bytes"))
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self._max_body_bytes:
             await too_large(scope, receive, send)
             return
         chunks, size = [], 0
         while True:
-            message = await receive()
+            message = await receive_or_disconnect(receive)
             if message["type"] != "http.request":  # disconnected while sending the body
                 return
             chunks.append(message.get("body", b""))
@@ -110,11 +112,24 @@ class BodyLimitMiddleware:
         async def replay() -> Message:
             nonlocal replayed
             if replayed:
-                return await receive()
+                return await receive_or_disconnect(receive)
             replayed = True
             return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
 
         await self._app(scope, replay, send)
+
+
+async def receive_or_disconnect(receive: Receive) -> Message:
+    """``receive()``, a receive Ray Serve cancelled answered as ``http.disconnect``: when a
+    client leaves, Ray's proxy cancels the ingress's pull of the request's messages, and the
+    replica's ``receive`` raises ``ray.exceptions.TaskCancelledError`` (where the proxy has
+    already dropped the request, Ray itself answers ``http.disconnect``). Either way the
+    client is gone, and Starlette ends the response as a disconnect (a streamed one from its
+    ``listen_for_disconnect``), not as an error."""
+    try:
+        return await receive()
+    except TaskCancelledError:
+        return {"type": "http.disconnect"}
 
 
 def route_path(scope: Scope) -> str:

@@ -126,14 +126,16 @@ class InferenceThread:
                         peak_bytes=peak_bytes)
 
     async def wait_started(self, future: asyncio.Future, job: _Job,
-                           tickets: Sequence[Ticket]) -> float:
+                           tickets: Sequence[Ticket], count_gone: bool = True) -> float:
         """Wait until the thread takes up ``job``; return the seconds waited. This is queue
         wait too: with the wait for the lease it is bounded by ``admission.max_queue_wait_s``
         (for a batch, by its member that has waited longest).
 
         Raises:
             OverloadedError: ``queue_timeout`` (the job is abandoned, never run).
-            asyncio.CancelledError: the caller left (the job is abandoned, never run).
+            asyncio.CancelledError: the caller left (the job is abandoned, never run; its
+                clients are :meth:`client_gone`, unless ``count_gone`` is false: the caller
+                counts them).
         """
         started = asyncio.ensure_future(job.started.wait())
         waited_from = time.monotonic()
@@ -143,9 +145,9 @@ class InferenceThread:
                                          return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             job.abandoned = True
-            if job.started_at is None:
-                self._metrics.inc("admission_decisions", len(tickets), outcome="cancelled",
-                                  reason="client_gone")
+            if job.started_at is None and count_gone:
+                for ticket in tickets:
+                    self.client_gone(ticket.lease.nbytes, ticket.admission.request_id)
             raise
         finally:
             started.cancel()
@@ -157,6 +159,13 @@ class InferenceThread:
             ticket.waited_s += thread_wait_s
             self.admitted(ticket, len(tickets))
         return thread_wait_s
+
+    def client_gone(self, leased_bytes: int, request_id: str = "") -> None:
+        """A request's client left before its answer was whole (queued, waiting for the
+        thread, or half-way through a stream): an ordinary outcome, counted as
+        ``cancelled``/``client_gone`` and one INFO line of the request log."""
+        self._metrics.inc("admission_decisions", outcome="cancelled", reason="client_gone")
+        self._log.event("client gone", leased_bytes, request_id)
 
     def admitted(self, ticket: Ticket, batch: int) -> None:
         self._metrics.inc("admission_decisions", outcome="admitted",

@@ -87,6 +87,7 @@ class Ingress:
         install_error_handlers(app)
         for route in self._models.installed_routes():
             route.install(app)
+        self._models.install_unserved(app)
         if self._jobs is not None:
             self._jobs.install(app)
         app.get("/v1/models", response_model=None,

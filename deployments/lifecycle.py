@@ -128,29 +128,25 @@ class RequestLifecycle:
         after it (a refusal after it was queued, ``InferenceTimeoutError``) ends the stream
         by raising.
 
-        When the consumer goes away, generation stops at the next token and the lease is
-        released once the inference thread has returned.
+        When the consumer goes away (it closes the stream at an item, or is cancelled), the
+        client is gone (:meth:`InferenceThread.client_gone`, once, whenever it left),
+        generation stops at the next token and the lease is released once the inference
+        thread has returned.
         """
         self._accept(request)
         admissions: list[Admission] = []
         async for item in self._admit_watched(request, admissions):
             yield item
         async with self._lease(request, admissions[0]) as ticket:
-            if self._decode is not None:
-                async for item in self._stream_steps(ticket):
-                    yield item
-                return
+            items = self._stream_steps(ticket) if self._decode is not None \
+                else self._stream(ticket)
             try:
-                yield {"admitted": self._admitted(ticket)}
-            except BaseException:
-                self._client_gone()
+                async with contextlib.aclosing(items):  # closed now, not when collected
+                    async for item in items:
+                        yield item
+            except (GeneratorExit, asyncio.CancelledError):
+                self._thread.client_gone(ticket.lease.nbytes, ticket.admission.request_id)
                 raise
-            async for item in self._stream(ticket):
-                yield item
-
-    def _client_gone(self) -> None:
-        """A stream's consumer left before its first item (counted as cancelled)."""
-        self._metrics.inc("admission_decisions", outcome="cancelled", reason="client_gone")
 
     @contextlib.asynccontextmanager
     async def _lease(self, request: InferenceRequest,
@@ -241,11 +237,13 @@ class RequestLifecycle:
             self._metrics.inc("admission_decisions", outcome="rejected", reason=exc.code)
             raise
         except asyncio.CancelledError:
-            self._metrics.inc("admission_decisions", outcome="cancelled", reason="client_gone")
+            self._thread.client_gone(shape_bytes(self._pricer.cost_model, request.shape))
             raise
 
     async def _stream(self, ticket: Ticket) -> AsyncIterator[dict[str, Any]]:
-        """Run ``ticket``'s request on the thread, its text pieces as they come."""
+        """The ``admitted`` item, then ``ticket``'s request run on the thread, its text
+        pieces as they come."""
+        yield {"admitted": self._admitted(ticket)}
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue[str] = asyncio.Queue()
         consumer_gone = threading.Event()
@@ -259,7 +257,7 @@ class RequestLifecycle:
         future, job = self._thread.start(
             [ticket], partial(self._engine.run_stream, ticket.request, on_text))
         try:
-            await self._thread.wait_started(future, job, [ticket])
+            await self._thread.wait_started(future, job, [ticket], count_gone=False)
             deadline = loop.time() + self._args.admission.inference_timeout_s
             while not future.done():
                 getter = asyncio.ensure_future(pieces.get())
@@ -297,18 +295,11 @@ class RequestLifecycle:
             waiter = asyncio.ensure_future(joined.wait())
             try:
                 await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
-            except asyncio.CancelledError:
-                self._client_gone()
-                raise
             finally:
                 waiter.cancel()
             if not joined.is_set():
                 task.result()  # its refusal; it cannot have succeeded without joining
-            try:
-                yield {"admitted": self._admitted(ticket)}
-            except BaseException:
-                self._client_gone()
-                raise
+            yield {"admitted": self._admitted(ticket)}
             while not task.done():
                 getter = asyncio.ensure_future(pieces.get())
                 done, _ = await asyncio.wait({getter, task},

@@ -64,7 +64,7 @@ class ModelClient:
         request = await self._priced(request)
         response = self._model.infer.remote(request)
         await self._wait_for_a_replica(response, request)
-        return await self.call(lambda: response)
+        return _raised(await self.call(lambda: response))
 
     async def stream(self, request: InferenceRequest,
                      ) -> tuple[dict[str, Any], AsyncIterator[dict[str, Any]]]:
@@ -72,17 +72,18 @@ class ModelClient:
         admission, so that admission errors come before any byte is sent) and the rest.
         Cancel the rest (``aclose``) when the client leaves.
 
-        Raises: as :meth:`infer`, before the first item.
+        Raises: as :meth:`infer`, before the first item; the rest raises the typed error
+        that ended the stream on the replica.
         """
         request = await self._priced(request)
         stream = self._model.options(stream=True).infer_stream.remote(request)
         await self._wait_for_a_replica(stream, request)
-        first = await self.call(lambda: stream.__anext__())
+        first = _raised(await self.call(lambda: stream.__anext__()))
 
         async def rest() -> AsyncIterator[dict[str, Any]]:
             try:
                 async for item in stream:
-                    yield item
+                    yield _raised(item)
             finally:
                 stream.cancel()
 
@@ -209,3 +210,17 @@ class ModelClient:
             if err.code == "no_replicas":  # refused before any replica could decide
                 self._metrics.inc("admission_decisions", outcome="rejected", reason=err.code)
             raise err from None
+
+
+def _raised(answer: Any) -> Any:
+    """A model replica's answer (a result, or a stream's item), its typed error raised
+    again: the replica returns refusals rather than raising them (``ModelServer.infer``, a
+    stream's ``{"error": ...}`` item), so that Ray Serve does not log them as failures.
+
+    Raises:
+        ServeAppError: the error the replica answered with, as it would have raised it.
+    """
+    error = answer.get("error") if isinstance(answer, dict) else answer
+    if isinstance(error, ServeAppError):
+        raise error
+    return answer

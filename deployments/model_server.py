@@ -12,6 +12,7 @@ admission) while the model is busy. Its state goes to the router
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +32,7 @@ from deployments.replica import Replica, ReplicaIdentity
 from deployments.request_factory import RequestFactory
 from deployments.routes import ROUTES, RouteContext
 from serve_app.config import AppArgs, parse_args
+from serve_app.errors import ServeAppError
 from serve_app.measurement import allocator_setting
 from serve_app.metrics import REPLICA_EVENT_COUNTERS, ProcessMetrics
 from serve_app.replica_state import ReplicaState
@@ -125,15 +127,19 @@ class ModelServer:
             return
         await self._jobs.run_forever()
 
-    async def infer(self, request: InferenceRequest) -> InferenceResult:
-        """Run one validated request (:meth:`RequestLifecycle.infer`)."""
-        return await self._replica.lifecycle.infer(request)
+    async def infer(self, request: InferenceRequest) -> InferenceResult | ServeAppError:
+        """Run one validated request: its result, or its typed error returned, not raised,
+        so that Ray Serve does not log a refusal as a failed request (:meth:`Replica.answer`).
+        """
+        return await self._replica.answer(request)
 
     async def infer_stream(self, request: InferenceRequest,
                            ) -> AsyncIterator[dict[str, Any]]:
-        """Stream one validated request (:meth:`RequestLifecycle.infer_stream`)."""
-        async for item in self._replica.lifecycle.infer_stream(request):
-            yield item
+        """Stream one validated request; its typed error as a last ``{"error": ...}`` item
+        (:meth:`Replica.answer_stream`)."""
+        async with contextlib.aclosing(self._replica.answer_stream(request)) as items:
+            async for item in items:  # closed with this one (its consumer gone)
+                yield item
 
     async def check_health(self) -> None:
         """Ray Serve's health check (every ``deployment.health_check_period_s``).

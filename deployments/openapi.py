@@ -9,7 +9,7 @@ from serve_app.schemas import ErrorResponse, JobResponse
 ERROR_MEANINGS = {
     400: "Invalid request (malformed JSON, failed validation, `request_too_large`).",
     401: "Missing or wrong API key (only when one is configured).",
-    404: "Unknown model or route for this deployment (`model_not_found`).",
+    404: "Unknown model, or one that does not serve this route (`model_not_found`).",
     413: "Body larger than `limits.max_body_bytes` (`body_too_large`).",
     422: "Idempotency-Key reused with a different body (`idempotency_key_reused`).",
     503: "Transient capacity refusal (`queue_full`, `queue_timeout`, `predicted_timeout`, "

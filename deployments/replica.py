@@ -13,8 +13,10 @@ Parts, each handed to the next through its constructor: the admission policy
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -29,11 +31,14 @@ from deployments.request_log import RequestLog
 from serve_app.admission.controller import AdmissionController
 from serve_app.admission.policy import make_policy
 from serve_app.config import AppArgs
+from serve_app.errors import ServeAppError
 from serve_app.memory.cost_model import CorrectedCostModel, CostModel
 from serve_app.memory.probes import DeviceProbe
 from serve_app.metrics import ProcessMetrics
-from serve_app.pricing import Pricer
+from serve_app.pricing import Pricer, shape_bytes
 from serve_app.replica_state import GateFigures, ReplicaState
+from serve_app.request import InferenceRequest
+from serve_app.schemas import InferenceResult
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,37 @@ class Replica:
         self.lifecycle = RequestLifecycle(engine, self.gate, pricer, self.thread,
                                           self.batcher, self.health, args, metrics, self.log,
                                           identity.replica_id, request_id, self.decode)
+
+    async def answer(self, request: InferenceRequest) -> InferenceResult | ServeAppError:
+        """:meth:`RequestLifecycle.infer`'s result, or its typed error (:meth:`refused`)
+        returned, not raised: an exception that leaves a Ray Serve method is logged ``ERROR
+        ... Request failed.`` with its traceback, and a refusal is the product working.
+        :class:`deployments.model_client.ModelClient` raises it again at the ingress."""
+        try:
+            return await self.lifecycle.infer(request)
+        except ServeAppError as err:
+            return self.refused(request, err)
+
+    async def answer_stream(self, request: InferenceRequest,
+                            ) -> AsyncIterator[dict[str, Any]]:
+        """:meth:`RequestLifecycle.infer_stream`'s items; its typed error, before or after
+        the first item, as a last ``{"error": ServeAppError}`` item (as :meth:`answer`)."""
+        try:
+            async with contextlib.aclosing(self.lifecycle.infer_stream(request)) as items:
+                async for item in items:  # closed with this one (its consumer gone)
+                    yield item
+        except ServeAppError as err:
+            yield {"error": self.refused(request, err)}
+
+    def refused(self, request: InferenceRequest, err: ServeAppError) -> ServeAppError:
+        """``err``, logged as one line of the request log with its ``status`` and ``code``:
+        ``refused`` at INFO (4xx, 503), ``failed`` at WARNING (504 ``inference_timeout``)."""
+        failed = err.status_code >= 500 and err.status_code != 503
+        self.log.event("failed" if failed else "refused",
+                       shape_bytes(self.cost_model, request.shape),
+                       level=logging.WARNING if failed else logging.INFO,
+                       status=err.status_code, code=err.code)
+        return err
 
     def thread_wait_s(self) -> float:
         """Seconds a request admitted now would wait for the inference thread (for the

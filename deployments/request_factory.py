@@ -97,11 +97,12 @@ class RequestFactory:
 
     async def build_transcription(self, kind: str, data: bytes, prompt: str,
                                   language: str | None, temperature: float,
-                                  response_format: str) -> InferenceRequest:
+                                  response_format: str,
+                                  name: str = "the file") -> InferenceRequest:
         """A request of ``kind`` (``transcribe``) for the audio file ``data``: decoded and
         resampled to 16 kHz (:func:`deployments.engines.audio.decode_audio`, off the event
-        loop), its ``language`` checked (front end ``check_language``), its ``prompt``
-        tokenized, priced by its length.
+        loop; ``name``: what its refusals call the file), its ``language`` checked (front
+        end ``check_language``), its ``prompt`` tokenized, priced by its length.
 
         Raises:
             BodyTooLargeError: the file is over ``limits.max_audio_bytes`` (413).
@@ -110,7 +111,8 @@ class RequestFactory:
         """
         limits = self._args.limits
         language = self._front.check_language(language)  # type: ignore[attr-defined]
-        audio = await asyncio.to_thread(decode_audio, data, limits.max_audio_bytes)
+        audio = await asyncio.to_thread(decode_audio, data, limits.max_audio_bytes,
+                                        name=name)
         [ids] = await asyncio.to_thread(self._front.tokenize, [prompt])
         params = TranscriptionParams(audio, prompt, language, temperature, response_format)
         return KINDS[kind].build(ids, params, self._args,  # type: ignore[attr-defined]

@@ -11,10 +11,11 @@ model it names.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fastapi import FastAPI, Request
 from ray.serve.handle import DeploymentHandle
 
 from deployments.engines.base import Engine, FrontEnd
@@ -151,21 +152,57 @@ class ServedModels:
             InvalidRequestError: no ``model`` while several models serve ``path`` (400).
         """
         serving = self.serving(path)
-        if requested is None:
-            if len(serving) == 1:
-                return serving[0].routes[path]
+        if requested is None and len(serving) == 1:
+            return serving[0].routes[path]
+        if requested is None and serving:
             raise InvalidRequestError(
                 f"model is required: {path} is served by {[f.name for f in serving]}",
                 code="model")
-        front = self.by_name.get(requested)
+        front = self.by_name.get(requested) if requested is not None else None
         if front is None or path not in front.routes:
-            where = "is not served here" if front is None else f"does not serve {path}"
-            raise ModelNotFoundError(
-                f"model {requested!r} {where}; {path} is served by "
-                f"{[f.name for f in serving]} (GET /v1/models lists every model)")
+            raise self.not_served(path, requested)
         return front.routes[path]
+
+    def not_served(self, path: str, requested: str | None = None) -> ModelNotFoundError:
+        """The 404 ``model_not_found`` of a request to ``path`` naming the model
+        ``requested`` (``None``: none), which is unknown or does not serve ``path``: it lists
+        the models that serve ``path``, or says that none does."""
+        said = []
+        if requested is not None:
+            said.append(f"model {requested!r} " + (
+                "is not served here" if requested not in self.by_name
+                else f"does not serve {path}"))
+        serving = [front.name for front in self.serving(path)]
+        said.append(f"{path} is served by {serving}" if serving
+                    else f"no model here serves {path}")
+        return ModelNotFoundError("; ".join(said) + " (GET /v1/models lists every model)")
+
+    def install_unserved(self, app: FastAPI) -> None:
+        """Add to ``app`` every inference route of the project (:data:`ROUTES`) that no
+        model here serves, answering 404 ``model_not_found`` (:meth:`not_served`, naming
+        the model a JSON body names) where a path that exists nowhere is 404 ``not_found``;
+        left out of the OpenAPI document."""
+        for path in (route.path for route in ROUTES if not self.serving(route.path)):
+            app.post(path, include_in_schema=False, response_model=None)(
+                self._refusal(path))
+
+    def _refusal(self, path: str) -> Callable[[Request], Awaitable[None]]:
+        async def not_served(request: Request) -> None:
+            raise self.not_served(path, await _named_model(request))
+
+        return not_served
 
     async def states(self) -> list[ReplicaState]:
         """Every live model replica of every served model."""
         views = await asyncio.gather(*(front.replicas.states() for front in self.fronts))
         return [state for states in views for state in states]
+
+
+async def _named_model(request: Request) -> str | None:
+    """The ``model`` a JSON object body names, else ``None`` (no body, a form, not JSON)."""
+    try:
+        body = await request.json()
+    except ValueError:  # not JSON (UnicodeDecodeError included)
+        return None
+    model = body.get("model") if isinstance(body, dict) else None
+    return model if isinstance(model, str) else None

@@ -91,11 +91,18 @@ class AuthenticationError(ServeAppError):
     default_code = "invalid_api_key"
 
 
-class ModelNotFoundError(ServeAppError):
-    """404 ``model_not_found``: unknown model, or a route the served model's task lacks."""
+class NotFoundError(ServeAppError):
+    """404 ``not_found``: a path the app does not have."""
 
     status_code = 404
     type = "invalid_request_error"
+    default_code = "not_found"
+
+
+class ModelNotFoundError(NotFoundError):
+    """404 ``model_not_found``: unknown model, or a route the named model (or, unnamed, any
+    model of the app) does not serve."""
+
     default_code = "model_not_found"
 
 

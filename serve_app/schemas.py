@@ -39,7 +39,7 @@ def _check_inputs(value: object, field: str, batch: bool = True) -> object:
     if isinstance(value, str):
         return _check_text(value, field)
     if not isinstance(value, list) or not value:
-        raise ValueError(f"{field} must be {forms}, not empty")
+        raise ValueError(f"{field} must be {forms}, not {_json_kind(value)}")
     kinds = {type(item) for item in value}
     if len(kinds) > 1 and (str in kinds or list in kinds):
         raise ValueError(f"{field} mixes kinds: it must be {forms}")
@@ -54,6 +54,19 @@ def _check_inputs(value: object, field: str, batch: bool = True) -> object:
             raise ValueError(f"{field} must be one prompt: {forms}")
         _check_ids(value, field)
     return value
+
+
+def _json_kind(value: object) -> str:
+    """What a JSON value is, in words: ``a number``, ``an empty list``, ``null``, ..."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, dict):
+        return "an object"
+    return "an empty list" if value == [] else type(value).__name__
 
 
 def _check_text(text: str, field: str) -> str:

@@ -14,12 +14,13 @@ from serve_app.errors import BodyTooLargeError, InvalidRequestError
 from serve_app.request import AUDIO_SAMPLE_RATE_HZ
 
 
-def decode_audio(data: bytes, max_audio_bytes: int,
-                 rate_hz: int = AUDIO_SAMPLE_RATE_HZ) -> np.ndarray:
+def decode_audio(data: bytes, max_audio_bytes: int, rate_hz: int = AUDIO_SAMPLE_RATE_HZ,
+                 name: str = "the file") -> np.ndarray:
     """The file ``data`` as float32 mono samples at ``rate_hz``, shape ``(samples,)``.
 
     Any format libsndfile reads (WAV, FLAC, MP3, OGG/Vorbis, Opus, AIFF, ...); channels are
-    averaged; other rates are resampled with libsoxr's HQ filter.
+    averaged; other rates are resampled with libsoxr's HQ filter. ``name`` is what a refusal
+    calls the file (e.g. ``the uploaded file 'a.wav' (9 bytes)``).
 
     Raises:
         BodyTooLargeError: ``data`` is larger than ``max_audio_bytes`` (413, code ``file``,
@@ -34,10 +35,13 @@ def decode_audio(data: bytes, max_audio_bytes: int,
         samples, source_rate_hz = soundfile.read(io.BytesIO(data), dtype="float32",
                                                  always_2d=True)
     except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError) as exc:
-        raise InvalidRequestError(f"the file is not audio that can be decoded (WAV, FLAC, "
-                                  f"MP3, OGG, ...): {exc}", code="file") from None
+        # libsndfile's own words, without the "Error opening <_io.BytesIO object at 0x...>"
+        # it puts before them.
+        reason = getattr(exc, "error_string", None) or str(exc)
+        raise InvalidRequestError(f"{name} is not audio that can be decoded (WAV, FLAC, "
+                                  f"MP3, OGG, ...): {reason}", code="file") from None
     if samples.size == 0:
-        raise InvalidRequestError("the file holds no audio samples", code="file")
+        raise InvalidRequestError(f"{name} holds no audio samples", code="file")
     mono = samples.mean(axis=1, dtype=np.float32)
     if source_rate_hz != rate_hz:
         mono = soxr.resample(mono, source_rate_hz, rate_hz, quality="HQ")

@@ -71,17 +71,29 @@ class HFFrontEnd(FrontEndDefaults):
         :attr:`chat_template` or the tokenizer's own. Thread-safe.
 
         Raises:
-            InvalidRequestError: neither exists (400 naming ``model.chat_template``).
+            InvalidRequestError: neither exists (400 naming ``model.chat_template``); the
+                template refuses the messages (its ``raise_exception``, as Gemma's refuses a
+                system message, or a message it cannot render: 400 ``messages`` with the
+                template's own words). A template that does not parse is the operator's
+                error and leaves as the ``TemplateSyntaxError`` it is.
         """
+        from jinja2 import TemplateError, TemplateSyntaxError
+
         template = self.chat_template or self.tokenizer.chat_template
         if not template:
             raise InvalidRequestError(
                 "this model's tokenizer has no chat template: set model.chat_template to a "
                 "Jinja template file to serve /v1/chat/completions", code="chat_template")
-        with self._lock:
-            encoded = self.tokenizer.apply_chat_template(
-                list(messages), chat_template=template, add_generation_prompt=True,
-                tokenize=True, return_dict=True)
+        try:
+            with self._lock:
+                encoded = self.tokenizer.apply_chat_template(
+                    list(messages), chat_template=template, add_generation_prompt=True,
+                    tokenize=True, return_dict=True)
+        except TemplateSyntaxError:
+            raise
+        except TemplateError as exc:
+            raise InvalidRequestError(f"the model's chat template refuses these messages: "
+                                      f"{exc}", code="messages") from None
         return list(encoded["input_ids"])
 
     def _encode(self, texts: Sequence[str], special: bool) -> list[list[int]]:

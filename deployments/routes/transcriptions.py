@@ -33,7 +33,8 @@ FORMATS = "`json` (default), `text` or `verbose_json`."
 
 class TranscriptionForm(BaseModel):
     """A transcription request's form fields, and its file's SHA-256 (what an
-    ``Idempotency-Key`` is checked against); the file's bytes ride along unserialised."""
+    ``Idempotency-Key`` is checked against); the file's bytes and name ride along
+    unserialised (no name: a body that came without an upload, a job's)."""
 
     model: str | None = None
     language: str | None = None
@@ -42,6 +43,7 @@ class TranscriptionForm(BaseModel):
     response_format: str = "json"
     file_sha256: str
     _data: bytes = PrivateAttr(default=b"")
+    _filename: str | None = PrivateAttr(default=None)
 
 
 class DurationUsage(BaseModel):
@@ -111,7 +113,7 @@ class TranscriptionsRoute(Route):
         form = TranscriptionForm(model=model, language=language, prompt=prompt,
                                  temperature=temperature, response_format=response_format,
                                  file_sha256=hashlib.sha256(data).hexdigest())
-        form._data = data
+        form._data, form._filename = data, file.filename or ""
         return await self.dispatch(form, request)
 
     async def handle(self, body: TranscriptionForm, request: Request) -> Response:
@@ -135,10 +137,13 @@ class TranscriptionsRoute(Route):
 
     async def prepare(self, body: TranscriptionForm, request_id: str) -> Prepared:
         self.context.check_model(body.model)
-        if not body._data:  # an empty upload, or a body stored without its file (a job)
-            raise InvalidRequestError("no audio: send the file as the multipart field `file` "
-                                      "(transcriptions do not run as durable jobs)",
-                                      code="file")
+        if body._filename is None:  # a body stored without its file (a job)
+            raise InvalidRequestError("no audio: transcriptions do not run as durable jobs; "
+                                      "send the file to /v1/audio/transcriptions as the "
+                                      "multipart field `file`", code="file")
+        if not body._data:
+            raise InvalidRequestError(f"the uploaded file {body._filename!r} is empty "
+                                      "(0 bytes)", code="file")
         if body.response_format not in RESPONSE_FORMATS:
             raise InvalidRequestError(f"response_format={body.response_format!r}: one of "
                                       f"{list(RESPONSE_FORMATS)}", code="response_format")
@@ -147,7 +152,8 @@ class TranscriptionsRoute(Route):
                                       code="temperature")
         inference = await self.context.factory.build_transcription(
             self.kind, body._data, body.prompt, body.language, body.temperature,
-            body.response_format)
+            body.response_format,
+            name=f"the uploaded file {body._filename!r} ({len(body._data)} bytes)")
         return Prepared(inference, partial(_render, body))
 
 

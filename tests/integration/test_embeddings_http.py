@@ -115,14 +115,45 @@ def test_body_over_the_limit_is_413_with_or_without_content_length(client):
                           headers={"content-type": "application/json"})
     for response in (declared, chunked):
         assert response.status_code == 413
-        assert response.json()["error"]["code"] == "body_too_large"
+        assert response.json()["error"] == {
+            "message": "the body exceeds limits.max_body_bytes = 1048576 bytes",
+            "type": "invalid_request_error", "code": "body_too_large"}
 
 
-def test_unknown_routes_and_other_tasks_are_404_model_not_found(client):
-    for path in ("/v1/completions", "/v1/chat/completions", "/nope"):
-        response = client.post(path, json={"prompt": "hi"})
+@pytest.mark.parametrize(("value", "what"), [
+    (5, "a number"), (1.5, "a number"), (True, "a boolean"), (None, "null"),
+    ({"text": "x"}, "an object"), ([], "an empty list")])
+def test_an_input_of_the_wrong_type_is_told_its_type(client, value, what):
+    response = client.post("/v1/embeddings", json={"input": value})
+    assert response.status_code == 400
+    assert response.json()["error"] == {
+        "message": "input: input must be a string, a list of strings, a list of token ids or "
+                   f"a list of lists of token ids, not {what}",
+        "type": "invalid_request_error", "code": "input"}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions",
+                                  "/v1/audio/transcriptions"])
+def test_a_route_no_model_here_serves_is_404_model_not_found_saying_so(client, path):
+    named = client.post(path, json={"prompt": "hi", "model": "all-MiniLM-L6-v2"})
+    unnamed = client.post(path, json={"prompt": "hi"})
+    assert (named.status_code, unnamed.status_code) == (404, 404)
+    assert named.json()["error"] == {
+        "message": f"model 'all-MiniLM-L6-v2' does not serve {path}; no model here serves "
+                   f"{path} (GET /v1/models lists every model)",
+        "type": "invalid_request_error", "code": "model_not_found"}
+    assert unnamed.json()["error"]["message"] == \
+        f"no model here serves {path} (GET /v1/models lists every model)"
+    assert path not in client.get("/openapi.json").json()["paths"]
+
+
+@pytest.mark.parametrize("path", ["/v1/nonexistent", "/nope"])
+def test_a_path_that_exists_nowhere_is_a_plain_404_not_found(client, path):
+    for response in (client.post(path, json={"input": "hi"}), client.get(path)):
         assert response.status_code == 404
-        assert response.json()["error"]["code"] == "model_not_found"
+        assert response.json()["error"] == {
+            "message": f"no such route: {path} (GET /openapi.json lists the routes)",
+            "type": "invalid_request_error", "code": "not_found"}
 
 
 def test_a_wrong_method_is_405_listing_the_allowed_ones(client):

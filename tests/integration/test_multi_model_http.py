@@ -5,7 +5,8 @@ replica budgeting at most its share; a request goes to the model its ``model`` n
 metric carries the model. Then the packaged MiniLM, a tiny causal LM and a tiny Whisper are
 served by one app and the official ``openai`` client calls all three through one base URL,
 their answers checked against ``SentenceTransformer.encode``, greedy determinism and
-transformers' own Whisper ``generate``."""
+transformers' own Whisper ``generate``; the chat model's own template refuses a system
+message, which is the client's 400, streamed or not."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import openai
 import pytest
 import soundfile
 from sentence_transformers import SentenceTransformer
+from transformers import AutoTokenizer
 
 from deployments.fail_fast import DeploymentRefused
 from serve_app.app import build_app
@@ -106,11 +108,22 @@ def test_three_half_gpu_models_share_two_cards_and_answer_by_name(deploy):
                  status="200", model="chat") == 3.0
 
 
+# As Gemma's instruction-tuned templates do (google/gemma-2b-it): a system message is refused.
+NO_SYSTEM_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m.role }}"
+    "<|end_header_id|>\n\n{{ m.content }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+
+
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("multi")
-    return (build_causal_lm(root / "tiny-chat", "llama3"),
-            build_tiny_whisper(root / "tiny-whisper"))
+    chat_dir = build_causal_lm(root / "tiny-chat", "llama3")
+    tokenizer = AutoTokenizer.from_pretrained(str(chat_dir))
+    tokenizer.chat_template = NO_SYSTEM_TEMPLATE  # shipped with the model's tokenizer
+    tokenizer.save_pretrained(str(chat_dir))
+    return chat_dir, build_tiny_whisper(root / "tiny-whisper")
 
 
 def _wav(audio: np.ndarray) -> bytes:
@@ -145,14 +158,28 @@ def test_the_openai_client_calls_an_embedder_a_chat_model_and_whisper_through_on
     assert completion.choices[0].text == again.choices[0].text  # greedy: one answer
     with pytest.raises(openai.NotFoundError, match="does not serve /v1/completions"):
         client.completions.create(model=PACKAGED_NAME, prompt="x", max_tokens=1)
+    user = {"role": "user", "content": "the quick brown fox"}
+    chat = client.chat.completions.create(model="tiny-chat", messages=[user], max_tokens=4,
+                                          temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens <= 4
+    for stream in (False, True):  # the template's refusal is the client's error: 400
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(
+                model="tiny-chat", messages=[{"role": "system", "content": "Be terse."}, user],
+                max_tokens=4, stream=stream)
+        assert refused.value.status_code == 400
+        assert refused.value.body == {
+            "message": "the model's chat template refuses these messages: System role not "
+                       "supported", "type": "invalid_request_error", "code": "messages"}
     audio = tone(7, 330)
     heard = client.audio.transcriptions.create(model="tiny-whisper", file=("a.wav", _wav(audio)),
                                                language="en")
     assert heard.text == whisper_reference(whisper_dir, audio, "en")
     assert [m.id for m in client.models.list()] == [PACKAGED_NAME, "tiny-chat", "tiny-whisper"]
-    # Each model's series apart: one admitted request each (two for the chat model).
+    # Each model's series apart: one admitted request each (three for the chat model: the
+    # refused chats never reached it).
     samples = settled_scrape(app.base_url, lambda s: by_label(
         s, "vramgate_admission_decisions_total", "model"))
     assert by_label(samples, "vramgate_admission_decisions_total", "model") == {
-        PACKAGED_NAME: 1.0, "tiny-chat": 2.0, "tiny-whisper": 1.0}
+        PACKAGED_NAME: 1.0, "tiny-chat": 3.0, "tiny-whisper": 1.0}
     app.check_invariants()

@@ -1,18 +1,21 @@
 """Waiting in the open (issue: "know your place while you wait, refuse early"): a streamed
 request that waits hears its position as SSE comments; a client whose read timeout cannot be
-met by the backlog is refused at once, with ``retry-after-ms``."""
+met by the backlog is refused at once, with ``retry-after-ms``; a client that leaves a stream
+half-way is counted as gone (``client_gone``), not logged as a bug."""
 
 from __future__ import annotations
 
 import asyncio
 import re
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import ray
 
-from tests.support import MiB, fake_app_args
+from tests.support import MiB, fake_app_args, settled_scrape, total
 
 
 @pytest.fixture(scope="module")
@@ -110,4 +113,45 @@ async def test_prefer_wait_0_runs_at_once_or_is_refused_at_once(app):
         assert "x-queue-wait-ms" not in refused.headers  # it never waited in the queue
         assert int(refused.headers["retry-after-ms"]) >= 1
     assert statuses == [200] * 2
+    app.check_invariants()
+
+
+def _log_sizes(deployment: str) -> dict[Path, int]:
+    """The sizes of the Ray Serve log files of ``deployment``'s replicas now."""
+    logs = Path(ray._private.worker.global_worker.node.get_session_dir_path()) / "logs/serve"
+    return {path: path.stat().st_size for path in logs.glob(f"replica_*{deployment}*.log")}
+
+
+def _written_since(sizes: dict[Path, int]) -> str:
+    """What those replicas logged after ``sizes`` was taken."""
+    text = ""
+    for path, size in sizes.items():
+        with path.open("rb") as log:
+            log.seek(size)
+            text += log.read().decode(errors="replace")
+    return text
+
+
+def _gone(samples: dict) -> float:
+    return total(samples, "vramgate_admission_decisions_total", outcome="cancelled",
+                 reason="client_gone")
+
+
+async def test_clients_that_leave_mid_stream_are_counted_gone_not_logged_as_bugs(app):
+    before = _gone(settled_scrape(app.base_url, _gone))
+    ingress, replica = _log_sizes("Ingress"), _log_sizes("ModelServer")
+    async with httpx.AsyncClient(base_url=app.base_url, timeout=60) as http:
+        for _ in range(20):  # each leaves after its first token, with ~19 still to come
+            async with http.stream("POST", "/v1/completions",
+                                   json={**BODY, "stream": True}) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        break
+    after = _gone(settled_scrape(app.base_url, _gone))
+    logged = _written_since(ingress) + _written_since(replica)
+    assert after - before == 20
+    assert "unexpected error" not in logged and "Traceback" not in logged, logged
+    gone_lines = [line for line in logged.splitlines() if "request client gone:" in line]
+    assert len(gone_lines) == 20 and all(line.startswith("INFO") for line in gone_lines)
     app.check_invariants()

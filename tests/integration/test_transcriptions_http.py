@@ -84,6 +84,13 @@ def test_refusals_name_their_limit(app, client) -> None:
     assert long.status_code == 400 and "limits.max_audio_s" in long.json()["error"]["message"]
     garbage = client.post("/v1/audio/transcriptions", files={"file": ("a.mp3", b"not audio")})
     assert garbage.status_code == 400 and garbage.json()["error"]["code"] == "file"
+    assert garbage.json()["error"]["message"] == (
+        "the uploaded file 'a.mp3' (9 bytes) is not audio that can be decoded (WAV, FLAC, "
+        "MP3, OGG, ...): Format not recognised.")
+    empty = client.post("/v1/audio/transcriptions", files={"file": ("b.wav", b"")})
+    assert empty.status_code == 400 and empty.json()["error"] == {
+        "message": "the uploaded file 'b.wav' is empty (0 bytes)",
+        "type": "invalid_request_error", "code": "file"}
 
 
 async def test_concurrent_transcriptions_are_admitted_and_leave_nothing_leased(app) -> None:

@@ -65,3 +65,21 @@ def test_an_undeclared_method_is_405_with_allow() -> None:
     assert response.json() == {"error": {"message": "Method Not Allowed",
                                          "type": "invalid_request_error",
                                          "code": "invalid_request"}}
+
+
+@pytest.mark.parametrize(("value", "what"), [
+    (5, "a number"), (1.5, "a number"), (True, "a boolean"), (None, "null"),
+    ({"text": "x"}, "an object"), ([], "an empty list")])
+def test_an_input_of_the_wrong_type_is_told_its_type(value: object, what: str) -> None:
+    # {"input": 5} was told "... not empty".
+    forms = "a string, a list of strings, a list of token ids or a list of lists of token ids"
+    for model, field, expected in (
+            (EmbeddingRequest, "input", f"input must be {forms}, not {what}"),
+            (CompletionRequest, "prompt",
+             f"prompt must be a string or a list of token ids, not {what}")):
+        if value is None and model is CompletionRequest:
+            continue  # null is the default there, and a prompt has none: "field required"
+        with pytest.raises(pydantic.ValidationError) as refused:
+            model.model_validate({field: value})
+        [error] = refused.value.errors()
+        assert (error["loc"], error["msg"]) == ((field,), f"Value error, {expected}")

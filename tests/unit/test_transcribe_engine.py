@@ -118,6 +118,8 @@ def test_undecodable_and_oversized_files_are_refused_with_their_codes() -> None:
     with pytest.raises(InvalidRequestError) as bad:
         decode_audio(b"this is not audio at all", max_audio_bytes=1 << 20)
     assert (bad.value.status_code, bad.value.code) == (400, "file")
+    assert bad.value.message == ("the file is not audio that can be decoded (WAV, FLAC, MP3, "
+                                 "OGG, ...): Format not recognised.")
     file = io.BytesIO()
     soundfile.write(file, tone(1, 440), RATE_HZ, format="WAV")
     with pytest.raises(BodyTooLargeError) as big:
@@ -163,9 +165,12 @@ def test_the_route_refuses_what_the_limits_refuse_naming_the_knob(http) -> None:
     assert "limits.max_audio_s = 10 s" in too_long.json()["error"]["message"]
     garbage = post(http, b"\x00\x01 not audio")
     assert (garbage.status_code, garbage.json()["error"]["code"]) == (400, "file")
+    assert garbage.json()["error"]["message"] == (  # not libsndfile's "<_io.BytesIO object>"
+        "the uploaded file 'a.wav' (12 bytes) is not audio that can be decoded (WAV, FLAC, "
+        "MP3, OGG, ...): Format not recognised.")
     empty = post(http, b"")
     assert (empty.status_code, empty.json()["error"]["code"]) == (400, "file")
-    assert "no audio" in empty.json()["error"]["message"]
+    assert empty.json()["error"]["message"] == "the uploaded file 'a.wav' is empty (0 bytes)"
 
 
 @pytest.mark.parametrize(("form", "code"), [
