@@ -47,12 +47,14 @@ class _Sequence:
     ticket: Ticket
     on_text: Callable[[str], Any] | None
     on_joined: Callable[[], Any] | None
+    on_waiting: Callable[[int], Any] | None
     joined: asyncio.Future = field(repr=False)
     result: asyncio.Future = field(repr=False)
     enqueued_s: float = field(default_factory=time.monotonic)
     pieces: list[str] = field(default_factory=list)
     tokens: int = 0
     cancelled: bool = False
+    told_position: int = -1
     joined_s: float = 0.0
     last_token_s: float = 0.0
 
@@ -113,12 +115,14 @@ class DecodeLoop:
         self._task = asyncio.get_running_loop().create_task(self._run_forever())
 
     async def generate(self, ticket: Ticket, on_text: Callable[[str], Any] | None = None,
-                       on_joined: Callable[[], Any] | None = None) -> GenerationOutput:
+                       on_joined: Callable[[], Any] | None = None,
+                       on_waiting: Callable[[int], Any] | None = None) -> GenerationOutput:
         """Run one admitted completion; ``on_text`` (on the event loop) gets each piece of
-        text as it is final, ``on_joined`` is called when it joins the running batch (a
-        stream starts its response then: refusals before it are HTTP errors). Returns its
-        output. Leaving early (cancellation, an error) takes the sequence out of the engine
-        before the next step; its lease goes back then.
+        text as it is final, ``on_joined`` is called when it joins the running batch,
+        ``on_waiting`` with the number of completions waiting ahead of it whenever a step
+        starts without it and that number changed (the batch is full, or its cache would
+        outgrow the leases). Returns its output. Leaving early (cancellation, an error)
+        takes the sequence out of the engine before the next step; its lease goes back then.
 
         ``admission.inference_timeout_s`` bounds the time without progress: from joining to
         the first token and between two tokens (a stalled device), not the whole completion,
@@ -131,8 +135,8 @@ class DecodeLoop:
             InferenceTimeoutError: no token came for ``admission.inference_timeout_s``.
         """
         loop = asyncio.get_running_loop()
-        sequence = _Sequence(next(self._ids), ticket, on_text, on_joined, loop.create_future(),
-                             loop.create_future())
+        sequence = _Sequence(next(self._ids), ticket, on_text, on_joined, on_waiting,
+                             loop.create_future(), loop.create_future())
         self._waiting.append(sequence)
         self._wake.set()
         admission = self._args.admission
@@ -292,7 +296,19 @@ class DecodeLoop:
             if sequence.on_joined is not None:
                 sequence.on_joined()
             joining.append(sequence)
+        self._tell_positions()
         return joining
+
+    def _tell_positions(self) -> None:
+        """Tell each waiting sequence that listens its place, when it changed."""
+        ahead = 0
+        for sequence in self._waiting:
+            if sequence.cancelled:
+                continue
+            if sequence.on_waiting is not None and sequence.told_position != ahead:
+                sequence.told_position = ahead
+                sequence.on_waiting(ahead)
+            ahead += 1
 
     def _apply(self, sequence: _Sequence, update: Any, made: int, now: float) -> None:
         """One step's update of one sequence (``made`` tokens): its text, its latencies, its

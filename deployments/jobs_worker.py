@@ -100,6 +100,11 @@ class JobWorker:
         if recovered := await self._store.recover_orphans():
             logger.info("job worker: %d jobs of gone replicas queued again", len(recovered))
         self._replica.jobs_queued = await self._store.queued_count()
+        head = await self._store.head()
+        metrics = self._replica.metrics
+        metrics.set("job_queue_depth", self._replica.jobs_queued)
+        metrics.set("job_queue_oldest_age_seconds",
+                    0.0 if head is None else max(0.0, self._store.now() - head.created_at))
 
     def _room(self) -> bool:
         """Whether jobs may start now: nobody waits for a lease and the thread is free
@@ -136,8 +141,13 @@ class JobWorker:
         task = asyncio.ensure_future(self._run(claimed, prepared, Admission(lease, 0.0, 0,
                                                                             claimed.id)))
         self._running.add(task)
-        task.add_done_callback(self._running.discard)
+        task.add_done_callback(self._finished_task)
+        self._replica.metrics.set("running_jobs", len(self._running))
         return True
+
+    def _finished_task(self, task: asyncio.Task) -> None:
+        self._running.discard(task)
+        self._replica.metrics.set("running_jobs", len(self._running))
 
     async def _prepare(self, job: JobView) -> Prepared | ServeAppError:
         """The job's request (kept for the head while it waits), or why it cannot run."""
@@ -179,7 +189,10 @@ class JobWorker:
                               error.status_code)
         else:
             outcome = partial(store.finish, job.id, worker, json.dumps(body))
-        await store_outcome(job.id, outcome, self._config.poll_interval_s)
+        status = await store_outcome(job.id, outcome, self._config.poll_interval_s)
+        if status is not None:  # None: another outcome was recorded first
+            self._replica.metrics.inc("jobs_finished", outcome="requeued"
+                                      if status == "queued" else str(status))
 
     def close(self) -> None:
         """Stop pulling (jobs running finish, or are re-run after the heartbeat lapses)."""
@@ -188,12 +201,13 @@ class JobWorker:
 
 
 async def store_outcome(job_id: str, write: Callable[[], Awaitable[Any]],
-                        first_pause_s: float) -> None:
+                        first_pause_s: float) -> Any:
     """Store a job's outcome (``write``), trying again while the store does not answer
     (redis-py's own :class:`~redis.asyncio.retry.Retry`, without limit), with a pause doubling
     from ``first_pause_s`` up to ``MAX_RETRY_PAUSE_S``. Given up, the job would stay
     ``running`` for as long as its replica lives and beats: only the jobs of gone replicas are
-    queued again. A retry is safe: a job's first outcome wins (:meth:`JobStore.finish`)."""
+    queued again. A retry is safe: a job's first outcome wins (:meth:`JobStore.finish`).
+    Returns what ``write`` returned (the status recorded)."""
 
     async def log(exc: Exception) -> None:
         logger.warning("job %s: its outcome could not be stored (%s); trying again", job_id, exc)
@@ -202,4 +216,4 @@ async def store_outcome(job_id: str, write: Callable[[], Awaitable[Any]],
     # pause is first_pause_s.
     retry = Retry(ExponentialBackoff(cap=MAX_RETRY_PAUSE_S, base=first_pause_s / 2),
                   retries=-1, supported_errors=(RedisConnectionError, RedisTimeoutError, OSError))
-    await retry.call_with_retry(write, log)
+    return await retry.call_with_retry(write, log)

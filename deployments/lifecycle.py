@@ -282,21 +282,22 @@ class RequestLifecycle:
             consumer_gone.set()
 
     async def _stream_steps(self, ticket: Ticket) -> AsyncIterator[dict[str, Any]]:
-        """As :meth:`_stream`, on the continuous-batching loop: the ``admitted`` item once
-        the sequence joined the running batch (a refusal while it waits to join, such as
-        ``queue_timeout``, is raised before the first item: an HTTP error, not an event in
-        a 200 stream), then a piece as each step makes it; the sequence leaves the engine
-        before the next step once the consumer is gone."""
+        """As :meth:`_stream`, on the continuous-batching loop: ``{"queued": ...}`` items
+        while the sequence waits for a place in the running batch (its position among the
+        completions waiting there, when it changes and at least every ``POSITION_EVERY_S``;
+        no ``eta_ms``), the ``admitted`` item once it joined, then a piece as each step
+        makes it; the sequence leaves the engine before the next step once the consumer is
+        gone. A refusal before the first item (``queue_timeout`` while it waited to join,
+        having heard nothing) is an HTTP error; after a ``queued`` item, the route ends the
+        stream with it."""
         pieces: asyncio.Queue[str] = asyncio.Queue()
+        moves: asyncio.Queue[int] = asyncio.Queue()
         joined = asyncio.Event()
-        task = asyncio.ensure_future(
-            self._decode.generate(ticket, pieces.put_nowait, joined.set))
+        task = asyncio.ensure_future(self._decode.generate(
+            ticket, pieces.put_nowait, joined.set, moves.put_nowait))
         try:
-            waiter = asyncio.ensure_future(joined.wait())
-            try:
-                await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                waiter.cancel()
+            async for item in self._waiting_to_join(task, joined, moves):
+                yield item
             if not joined.is_set():
                 task.result()  # its refusal; it cannot have succeeded without joining
             yield {"admitted": self._admitted(ticket)}
@@ -316,6 +317,27 @@ class RequestLifecycle:
                    "completion_tokens": output.completion_tokens}
         finally:
             task.cancel()
+
+    @staticmethod
+    async def _waiting_to_join(task: asyncio.Future, joined: asyncio.Event,
+                               moves: asyncio.Queue[int]) -> AsyncIterator[dict[str, Any]]:
+        """``{"queued": ...}`` items until ``joined`` is set or ``task`` ends."""
+        waiter = asyncio.ensure_future(joined.wait())
+        told: tuple[int, float] | None = None
+        try:
+            while not waiter.done() and not task.done():
+                move = asyncio.ensure_future(moves.get())
+                done, _ = await asyncio.wait({waiter, task, move}, timeout=POSITION_EVERY_S,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if move in done:
+                    told = (move.result(), time.monotonic())
+                else:
+                    move.cancel()
+                if told is not None and not waiter.done() and not task.done() \
+                        and (move in done or not done):
+                    yield {"queued": _queued_item(told[0], None, told[1])}
+        finally:
+            waiter.cancel()
 
     @staticmethod
     def _admitted(ticket: Ticket) -> Admitted:

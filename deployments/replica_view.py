@@ -106,6 +106,17 @@ class ReplicaView:
         known = [wait + margin for wait, margin in waits if wait is not None]
         return min(known) if known and len(known) == len(waits) else None
 
+    async def drain_s(self, units: int) -> float | None:
+        """Seconds until ``units`` more, behind everything leased and queued on the replicas
+        now, should have drained at their summed busy drain rates (the rate predicted waits
+        use); ``None`` while no replica has one."""
+        states = await self.states()
+        rate = sum(s.gate.busy_drain_bytes_per_s or 0.0 for s in states)
+        if not rate:
+            return None
+        backlog = sum(s.gate.reserved_bytes + s.gate.queued_bytes for s in states)
+        return (backlog + max(units, 0)) / rate
+
     async def retry_after_s(self) -> float:
         """``Retry-After`` for a request refused before reaching a replica: the bytes queued
         on all replicas over their summed measured drain rate."""

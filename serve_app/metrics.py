@@ -133,6 +133,16 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("histogram", "inter_token_latency_seconds",
                "Between two tokens of one completion (one decode step).",
                buckets=SECONDS_BUCKETS),
+    # --- model replica: durable jobs (deployments.jobs_worker) ------------------------------
+    _gauge("job_queue_depth", "Durable jobs waiting in the app's queue (cluster-wide, as this "
+           "replica last read it, every heartbeat_ttl_s / 3)."),
+    _gauge("job_queue_oldest_age_seconds", "Age of the job at the queue's head (0 when the "
+           "queue is empty), as this replica last read it."),
+    _gauge("running_jobs", "Durable jobs this replica runs now."),
+    MetricSpec("counter", "jobs_finished",
+               "Durable jobs this replica ran to an outcome: succeeded, failed, cancelled "
+               "(cancelled while it ran), or requeued (a transient 503: back at the queue's "
+               "head).", ("outcome",)),
     # --- ingress ----------------------------------------------------------------------------
     MetricSpec("counter", "http_requests", "HTTP responses by route and status.",
                ("route", "status")),

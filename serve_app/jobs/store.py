@@ -234,6 +234,22 @@ class JobStore:
             moved.extend(i.decode() for i in reversed(ids))
         return moved
 
+    def now(self) -> float:
+        """Unix seconds by the store's clock (what its jobs' times are in)."""
+        return float(self._clock())
+
+    async def queued_bytes_through(self, position: int) -> int:
+        """The prices of the queue's first ``position + 1`` jobs, summed (bytes): what must
+        drain before the job at ``position`` has run."""
+        ids = await self._client.lrange(self._queued, 0, max(0, position))
+        if not ids:
+            return 0
+        async with self._client.pipeline(transaction=False) as pipe:
+            for job_id in ids:
+                pipe.hget(self.key("job", job_id.decode()), "price_bytes")
+            prices = await pipe.execute()
+        return sum(int(price) for price in prices if price is not None)
+
     async def queued_count(self) -> int:
         """Jobs waiting in the queue."""
         return int(await self._client.llen(self._queued))

@@ -154,3 +154,34 @@ async def test_jobs_and_synchronous_requests_mixed_keep_the_budget_invariants(ap
     assert replica["peak_reserved_bytes"] <= replica["budget_bytes"]
     print(f"\npeak reserved {replica['peak_reserved_bytes']} of {replica['budget_bytes']} "
           f"bytes; {sum(r.status_code == 200 for r in responses[30:])} of 30 answered at once")
+
+
+def test_a_lone_jobs_eta_follows_the_drain_and_jobs_show_in_metrics(app):
+    # Issue: "eta_s overestimates after light traffic" (a lone job said 14.2 s and ran in
+    # under 1 s) and "durable jobs have no Prometheus series". One request (0.4 s) measures
+    # the replica's drain; a lone job's eta is then its own 20 MiB at that rate, under 1 s.
+    with httpx.Client(base_url=app.base_url, timeout=60) as http:
+        assert http.post("/v1/embeddings", json=_body(0)).status_code == 200
+        time.sleep(1.5)  # the replica publishes its drain rate (every second)
+        accepted = http.post("/v1/embeddings", json=_body(1), headers=ASYNC)
+        assert accepted.status_code == 202
+        job = accepted.json()
+        [done] = _wait_all(http, [job["id"]])
+        deadline = time.monotonic() + 15  # replicas publish their metrics every second or so
+        while not (finished := _jobs_finished(lines := http.get("/metrics").text.splitlines())):
+            assert time.monotonic() < deadline, "no vramgate_jobs_finished_total in /metrics"
+            time.sleep(0.5)
+    print(f"\nlone job answered {job['status']}, eta_s {job.get('eta_s')}")
+    assert done["status"] == "succeeded"
+    if job["status"] == "queued":  # not already claimed when it was answered
+        assert job["eta_s"] is not None and job["eta_s"] < 2.0, job
+    assert finished >= 1
+    assert any(line.startswith("vramgate_job_queue_depth{") for line in lines)
+    assert any(line.startswith("vramgate_running_jobs{") for line in lines)
+
+
+def _jobs_finished(lines: list[str]) -> float:
+    """Succeeded jobs in a /metrics exposition, over every replica."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
+               if line.startswith("vramgate_jobs_finished_total{")
+               and 'outcome="succeeded"' in line)

@@ -170,9 +170,10 @@ async def test_an_oom_in_a_step_fails_its_sequences_and_the_replica_serves_on() 
         replica.close()
 
 
-async def test_a_stream_that_cannot_join_in_time_is_refused_before_its_first_item() -> None:
+async def test_a_stream_waiting_to_join_hears_its_place_then_its_refusal() -> None:
     # One sequence at a time, steps of ~10 ms: a second stream waits to join past its
-    # 0.2 s bound while a 50-token completion runs.
+    # 0.2 s bound while a 50-token completion runs. As a stream waiting for memory does, it
+    # hears its place at once (the route starts its 200 with it); the refusal then ends it.
     replica = continuous_replica(max_batch_size=1, latency_per_token_s=0.01,
                                  max_queue_wait_s=0.2)
     try:
@@ -183,8 +184,9 @@ async def test_a_stream_that_cannot_join_in_time_is_refused_before_its_first_ite
         request = replica.request("generate", [words(3, 2)],
                                   GenerationParams(max_tokens=4, temperature=0.0), True)
         stream = replica.parts.lifecycle.infer_stream(request)
+        assert await stream.__anext__() == {"queued": {"position": 0, "eta_ms": None}}
         with pytest.raises(OverloadedError) as refused:
-            await stream.__anext__()  # nothing was sent: an HTTP 503, not a stream event
+            await stream.__anext__()
         assert refused.value.code == "queue_timeout"
         assert refused.value.retry_after_s >= 1
         long.cancel()

@@ -302,3 +302,11 @@ async def test_a_client_that_decodes_responses_is_refused(redis_url) -> None:
             JobStore(client, "x")
     finally:
         await client.aclose()
+
+
+async def test_the_prices_up_to_a_queued_job_are_what_drains_before_it(store) -> None:
+    jobs = [await submit(store, n, price=100 * (n + 1)) for n in range(3)]  # 100, 200, 300
+    assert [await store.queued_bytes_through(j.position) for j in jobs] == [100, 300, 600]
+    await store.claim(jobs[0].id, "w1")  # it runs now: no longer queued
+    second = await store.get(jobs[1].id)
+    assert (second.position, await store.queued_bytes_through(second.position)) == (0, 200)
