@@ -310,3 +310,8 @@ async def test_the_prices_up_to_a_queued_job_are_what_drains_before_it(store) ->
     await store.claim(jobs[0].id, "w1")  # it runs now: no longer queued
     second = await store.get(jobs[1].id)
     assert (second.position, await store.queued_bytes_through(second.position)) == (0, 200)
+
+
+async def test_jobs_submitted_at_the_same_moment_each_get_their_own_position(store) -> None:
+    jobs = await asyncio.gather(*(submit(store, n) for n in range(20)))
+    assert sorted(j.position for j in jobs) == list(range(20))
