@@ -92,7 +92,8 @@ def _parser() -> argparse.ArgumentParser:
         "the models' GPU shares pack onto cards.")
     plan.add_argument("--gpus", type=int, default=None, metavar="N",
                       help="the GPUs of the cluster it will run on: refuse (exit status 1) "
-                      "an application whose replicas cannot all be placed on N cards")
+                      "an application whose replicas, autoscaled to their most, cannot all "
+                      "be placed on N cards")
     profile = commands.add_parser(
         "profile", help="measure a model's memory and recommend deployment options",
         description="Load the model of a serve config's application in this process (no "

@@ -26,7 +26,14 @@ from serve_app.measurement import (
 )
 from serve_app.memory.budget import InsufficientMemoryError
 from serve_app.memory.cost_model import TOKEN_AXES
-from serve_app.placement import gpu_packing, packing_problem
+from serve_app.placement import (
+    FEWEST,
+    INITIAL,
+    MOST,
+    gpu_packing,
+    packing_problem,
+    replica_count,
+)
 from serve_app.planning import (
     DeploymentPlan,
     p95_request_shapes,
@@ -61,8 +68,9 @@ def plan_command(options: argparse.Namespace) -> int:
 def _print_plan(checked: CheckedApp, gpus: int | None = None) -> bool:
     """Print the plan of each model of a valid vramgate application (from the measurement
     ``serve run`` made, when it is cached here) and, for GPU models, how their shares pack
-    onto cards; ``False`` when a measurement leaves no budget, or the replicas cannot all be
-    placed on ``gpus`` cards (``None``: not checked)."""
+    onto cards; ``False`` when a measurement leaves no budget, or the most replicas the
+    models may run (autoscaled to ``deployment.max_replicas``) cannot all be placed on
+    ``gpus`` cards (``None``: not checked)."""
     app, several = checked.app, len(checked.models) > 1
     lines: list[str] = []
     for model in checked.models:
@@ -82,7 +90,7 @@ def _print_plan(checked: CheckedApp, gpus: int | None = None) -> bool:
     models = [m.args for m in checked.models]
     lines += packing_lines(models)
     print("\n".join(lines))
-    if gpus is not None and (problem := packing_problem(models, gpus)):
+    if gpus is not None and (problem := packing_problem(models, gpus, MOST)):
         print_error(f"{app.where}: {problem}")
         return False
     return True
@@ -90,13 +98,23 @@ def _print_plan(checked: CheckedApp, gpus: int | None = None) -> bool:
 
 def packing_lines(models: list[AppArgs]) -> list[str]:
     """How the GPU shares of every model replica pack onto whole cards
-    (:func:`serve_app.placement.gpu_packing`); nothing for an app without GPU replicas."""
-    cards, _ = gpu_packing(models)
+    (:func:`serve_app.placement.gpu_packing`): with autoscaling, how many cards the fewest,
+    the initial and the most replicas need, and how the most pack; nothing for an app
+    without GPU replicas."""
+    cards, _ = gpu_packing(models, when=MOST)
     if not cards:
         return []
-    lines = [f"  GPUs needed:          {len(cards)}   (each replica's num_gpus is a share of "
+    counts = {when: (len(gpu_packing(models, when=when)[0]),
+                     sum(replica_count(m, when) for m in models if m.deployment.num_gpus > 0))
+              for when in (FEWEST, INITIAL, MOST)}
+    scaled = len(set(counts.values())) > 1
+    needed = (f"{counts[FEWEST][0]} {FEWEST} ({counts[FEWEST][1]} replicas), "
+              f"{counts[INITIAL][0]} {INITIAL} ({counts[INITIAL][1]}), "
+              f"{counts[MOST][0]} {MOST} ({counts[MOST][1]})") if scaled else str(len(cards))
+    lines = [f"  GPUs needed:          {needed}   (each replica's num_gpus is a share of "
              "one card)"]
-    lines += [f"    GPU {i}: " + ", ".join(f"{name} ({share:g})" for name, share in card)
+    lines += [f"    {MOST + ', ' if scaled else ''}GPU {i}: "
+              + ", ".join(f"{name} ({share:g})" for name, share in card)
               + f"   ({sum(share for _, share in card):g} of 1)"
               for i, card in enumerate(cards)]
     return lines

@@ -244,3 +244,31 @@ def test_a_key_given_twice_is_reported_where_it_is_with_the_files_other_problems
     assert (f"vramgate: {config}: application 'default': args.admission.max_queue_len: Input "
             "should be greater than or equal to 0") in lines
     assert len(lines) == 3, lines
+
+
+def test_plan_counts_the_gpus_of_the_fewest_initial_and_most_replicas(
+        capsys: pytest.CaptureFixture) -> None:
+    """configs/prod.yaml autoscales from 2 to 8 replicas of half a card: 1 GPU holds the
+    initial (and fewest) replicas, 4 the most; --gpus is checked against the most."""
+    config = REPO / "configs" / "prod.yaml"
+    status, out, _ = run_main(capsys, "plan", str(config))
+    assert status == 0
+    packing = out.splitlines()[out.splitlines().index(next(
+        line for line in out.splitlines() if line.startswith("  GPUs needed:"))):]
+    name = "all-MiniLM-L6-v2"
+    assert packing == [
+        "  GPUs needed:          1 at least (2 replicas), 1 initially (2), 4 at most (8)   "
+        "(each replica's num_gpus is a share of one card)",
+        *[f"    at most, GPU {i}: {name} (0.5), {name} (0.5)   (1 of 1)" for i in range(4)]]
+    assert main(["plan", "--gpus", "4", str(config)]) == 0
+    capsys.readouterr()
+    assert main(["plan", "--gpus", "2", str(config)]) == 1
+    refused = capsys.readouterr().err.strip()
+    assert refused == (
+        f"vramgate: {config}: application 'vramgate': at most (deployment.max_replicas) the "
+        "models' replicas need 4 GPUs (their num_gpus shares packed onto whole cards: "
+        "vramgate plan shows how), but the cluster has 2; left over: "
+        + ", ".join([f"{name} (0.5)"] * 4) + ". The app starts (its initial replicas fit) "
+        "but the autoscaler cannot add replicas past what fits. Add GPUs, lower "
+        "deployment.num_gpus or max_replicas, or set deployment.wait_for_gpus: true to wait "
+        "for GPU nodes to join")
