@@ -195,6 +195,12 @@ class Engine:
         raise ValueError(f"{cls.__name__} has no analytic cost model")
 
     @classmethod
+    def planned_context(cls, args: AppArgs) -> tuple[int, str] | None:
+        """The model's context (tokens) and where it was read, without loading the model,
+        for planning and ``vramgate validate``; ``None`` (the default): unknown here."""
+        return None
+
+    @classmethod
     def open(cls, args: AppArgs) -> OpenedEngine:
         """Load the model on the replica's device and measure what it holds: the CPU's
         host memory or the replica's share of its GPU (:mod:`deployments.engines.devices`)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from serve_app.cli import EXIT_FAILED, EXIT_OK, print_error
+from serve_app.cli import EXIT_FAILED, EXIT_OK, print_error, print_warning, shape_text
 from serve_app.cli.serve_config import IMPORT_PATH, ServeApp
 from serve_app.cli.validate import CheckedApp, check_config
 from serve_app.config import AppArgs
@@ -36,6 +36,7 @@ from serve_app.placement import (
 )
 from serve_app.planning import (
     DeploymentPlan,
+    model_context,
     p95_request_shapes,
     plan_deployment,
 )
@@ -59,6 +60,8 @@ def plan_command(options: argparse.Namespace) -> int:
             problems.append(f"{path}: no application has import_path {IMPORT_PATH}")
         for line in problems:
             print_error(line)
+        for line in [w for c in checked for w in c.warnings]:
+            print_warning(line)
         failed = failed or bool(problems)
         for c in planned if not problems else []:
             failed = not _print_plan(c, getattr(options, "gpus", None)) or failed
@@ -155,7 +158,8 @@ def plan_lines(title: str, args: AppArgs, engine: EngineSpec,
                 f"{dep.max_replicas} on the admission queue" if dep.autoscaling
                 else str(dep.num_replicas))
     p95 = " or ".join(shape_text(s, getattr(engine, "shape_axes", TOKEN_AXES))
-                     for s in p95_request_shapes(args, engine.kinds))
+                     for s in p95_request_shapes(args, engine.kinds,
+                                                 model_context(args, engine)))
     lines = [
         title,
         f"  model:                {args.model.name} ({args.model.engine_name} engine, on "
@@ -182,15 +186,6 @@ def plan_lines(title: str, args: AppArgs, engine: EngineSpec,
 
 def _replicas(count: int) -> str:
     return f"{count} replica" + ("" if count == 1 else "s")
-
-
-def shape_text(shape: tuple[int, int, int], axes: tuple[str, ...] = TOKEN_AXES) -> str:
-    """A request shape in words: ``4 x 64 tokens + 32 new`` on the token axes, else each
-    axis named (``files=1 audio_frames=6000 new_tokens=0``, ``Engine.shape_axes``)."""
-    if tuple(axes) != TOKEN_AXES:
-        return " ".join(f"{axis}={value}" for axis, value in zip(axes, shape, strict=True))
-    batch, prompt, new = shape
-    return f"{batch} x {prompt} tokens" + (f" + {new} new" if new else "")
 
 
 def bytes_text(n: int | None) -> str:

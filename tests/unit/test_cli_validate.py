@@ -272,3 +272,39 @@ def test_plan_counts_the_gpus_of_the_fewest_initial_and_most_replicas(
         "but the autoscaler cannot add replicas past what fits. Add GPUs, lower "
         "deployment.num_gpus or max_replicas, or set deployment.wait_for_gpus: true to wait "
         "for GPU nodes to join")
+
+
+def test_limits_the_models_context_cannot_hold_are_warned_and_planned_capped(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """configs/generate.yaml (max_input_tokens 1024 + max_tokens 256, a P95 prompt of 512)
+    on a model of 512 positions: no request of 512 + 256 tokens can exist. validate still
+    passes it (the replicas refuse what does not fit), with a warning naming the keys and
+    the context; plan prices the largest P95 request that fits: 256 + 256."""
+    from serve_app.memory.cost_model import Shape
+    from serve_app.pricing import shape_bytes
+    from tests.support import build_tiny_causal_lm
+
+    model = build_tiny_causal_lm(tmp_path / "lm", max_positions=512)
+    capsys.readouterr()  # the progress bars of saving it
+    config = yaml.safe_load((REPO / "configs" / "generate.yaml").read_text())
+    config["applications"][0]["args"]["model"]["path"] = str(model)
+    path = tmp_path / "generate.yaml"
+    path.write_text(yaml.safe_dump(config))
+    where = f"{path}: application 'vramgate'"
+    warning = (f"vramgate: warning: {where}: limits.max_input_tokens (1024) + limits.max_tokens "
+               "(256) exceed the model's context of 512 tokens (max_position_embeddings in "
+               "its config.json): a prompt and its completion together hold at most 512 "
+               "tokens (more is refused with 400), so requests are planned within it (P95: "
+               "1 x 256 tokens + 256 new)")
+    status, out, err = run_main(capsys, "validate", str(path))
+    assert (status, err.splitlines()) == (0, [warning])
+    assert out == (f"{where}: ok (generate engine, model 'local-causal-lm', num_gpus 0 per "
+                   "replica)\n")
+
+    status, out, err = run_main(capsys, "plan", str(path))
+    assert (status, err.splitlines()) == (0, [warning])
+    args = parse_args(config["applications"][0]["args"])
+    engine = engine_class(args)
+    price = shape_bytes(engine.analytic_costs(args)[0], Shape(1, 256, 256))
+    assert f"\n  P95 request:          1 x 256 tokens + 256 new: {price} bytes (" in out
+    assert plan_deployment(args, engine).request_bytes == price
