@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="vramgate", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="vramgate", description=plain(__doc__.split("\n\n")[0]))
     commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
     _configs_command(
         commands, "validate", validate_command,
@@ -110,6 +110,12 @@ def _parser() -> argparse.ArgumentParser:
                          "profiles/<app>-<model>.json for one of several models)")
     profile.set_defaults(command=profile_command)
     return parser
+
+
+def plain(text: str) -> str:
+    """``text`` of a docstring as a terminal shows it: without reStructuredText's ````code````
+    marks (argparse prints a description as it is)."""
+    return text.replace("``", "")
 
 
 def _configs_command(commands: Any, name: str, command: Callable[[argparse.Namespace], int],

@@ -43,6 +43,18 @@ def run_main(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str]:
 # --- argument handling (no model is loaded) ---------------------------------------------------
 
 
+@pytest.mark.parametrize("command", [[], ["validate"], ["plan"], ["profile"]])
+def test_help_is_plain_text(capsys: pytest.CaptureFixture, command: list[str]) -> None:
+    """A terminal shows no reStructuredText: the module docstring's ``code`` marks."""
+    with pytest.raises(SystemExit) as exited:
+        main([*command, "--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: vramgate") and "`" not in out
+    if not command:
+        assert "\npython -m serve_app (or vramgate): command-line tools for operators.\n" in out
+
+
 def test_a_missing_config_file_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     status, err = run_main(capsys, "profile", "--config", str(tmp_path / "absent.yaml"))
     assert status == EXIT_FAILED == 1
