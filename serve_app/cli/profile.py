@@ -121,7 +121,7 @@ def report(name: str, config_path: Path, args: AppArgs, measured: MeasuredReplic
         f"P95 request ({p95}): {bytes_text(plan.request_bytes)}",
         f"profiled in {profile.duration_s:.1f} s",
         "",
-        "measurements (MiB):",
+        "measurements:",
         profile.table(),
         "",
         *_cost_model_lines(measured),
