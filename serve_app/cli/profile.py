@@ -147,7 +147,7 @@ def _cost_model_lines(measured: MeasuredReplica) -> list[str]:
     width = max(16, *(len(f) for f in model.features))
     lines += [f"  {f:<{width}} {c:>14.2f}  {units.get(f, f'bytes per unit of {f}')}"
               for f, c in zip(model.features, model.coefficients, strict=True)]
-    lines.append(f"  held-out fit error: {model.fit_error:.1%} (largest |fitted - measured| / "
+    lines.append(f"  held-out error: {model.held_out_error:.1%} (largest |fitted - measured| / "
                  "measured on shapes not used for the fit)")
     lines.append(f"analytic / measured: {low:.2f} .. {high:.2f}" if high > 0 else
                  "analytic / measured: none (the engine has no analytic estimate)")

@@ -112,8 +112,10 @@ class MemoryProfile:
     shape_axes: tuple[str, ...] = TOKEN_AXES
 
     @property
-    def fit_error(self) -> float:
-        return self.cost_model.fit_error
+    def held_out_error(self) -> float:
+        """The fit's largest relative error on the held-out shapes
+        (:attr:`~serve_app.memory.cost_model.FittedCostModel.held_out_error`)."""
+        return self.cost_model.held_out_error
 
     @property
     def analytic_ratio_range(self) -> tuple[float, float]:
