@@ -285,6 +285,18 @@ def largest_shape(kinds: Sequence[str], limits: LimitsConfig, max_seq_tokens: in
     return Shape(max(s.inputs for s in shapes), prompt, max(s.new_tokens for s in shapes))
 
 
+def context_problems(limits: LimitsConfig, kinds: Sequence[str],
+                     context: tuple[int, str] | None) -> list[str]:
+    """What of ``limits`` a model serving ``kinds`` cannot hold within its ``context``
+    (tokens, and where it was read; ``None``: unknown, nothing is said), one line per kind
+    (:meth:`RequestKind.context_problem`): the replicas refuse such requests, and the plan
+    prices requests within the context."""
+    if context is None:
+        return []
+    return [problem for kind in kinds
+            if (problem := KINDS[kind].context_problem(limits, *context))]
+
+
 def build_request(kind: str, input_ids: Sequence[Sequence[int]],
                   params: RequestParams, stream: bool, args: AppArgs,
                   max_seq_tokens: int, field: str | None = None) -> InferenceRequest:

@@ -36,7 +36,7 @@ from serve_app.config import AppArgs
 from serve_app.kinds import KINDS
 from serve_app.measurement import Measurement
 from serve_app.memory.budget import budget_formula_bytes, derive_budget_bytes
-from serve_app.memory.cost_model import CostModel, Shape
+from serve_app.memory.cost_model import CostModel, NoAnalyticCostModelError, Shape
 from serve_app.memory.profiler import MemoryProfile, load_profile
 from serve_app.memory.reuse import ExpectedProfile, profile_device_kind, reuse_problems
 from serve_app.pricing import shape_bytes
@@ -287,17 +287,6 @@ def model_context(args: AppArgs, engine: EngineSpec) -> int | None:
     return found[0] if found else None
 
 
-def context_problems(args: AppArgs, engine: EngineSpec) -> list[str]:
-    """What of ``limits`` the model's context cannot hold, one line per kind
-    (:meth:`serve_app.kinds.RequestKind.context_problem`): the replicas refuse such requests,
-    and the plan prices requests within the context. Empty when it is unknown here."""
-    found = engine.planned_context(args)
-    if found is None:
-        return []
-    return [problem for kind in engine.kinds
-            if (problem := KINDS[kind].context_problem(args.limits, *found))]
-
-
 def gpu_share_for(budget_bytes: int, held_bytes: int, args: AppArgs, card_bytes: int) -> float:
     """The smallest multiple of ``1 / GPU_SHARE_STEPS_PER_CARD`` of a card of ``card_bytes``
     whose derived budget holds ``budget_bytes``.
@@ -365,6 +354,22 @@ def _profile_plan(args: AppArgs, engine: EngineSpec) -> DeploymentPlan | None:
                              context=model_context(args, engine))
 
 
+def _unpriced_plan(args: AppArgs, engine: str) -> DeploymentPlan:
+    """The plan of an engine that prices nothing before a replica measures it. Under a policy
+    that admits by the budget, Ray's cap must not bind before the budget (see
+    :meth:`~serve_app.admission.policy.BudgetPolicy.admitted_estimate`), which only the
+    replica knows: the cap is :data:`MAX_ONGOING_REQUESTS_CAP`, the replica's FIFO bounding
+    what waits (a guess of :data:`FALLBACK_MAX_RUNNING` would bind first wherever the budget
+    holds more, and the rest would wait unseen in Ray Serve's handle queue)."""
+    plan = _plan(args, FALLBACK_MAX_RUNNING, f"no analytic cost model ({engine}): each "
+                 "replica measures its requests' prices at start-up")
+    if not policy_class(args.admission.policy).budget_must_hold_largest:
+        return plan
+    return replace(plan, max_ongoing_requests=MAX_ONGOING_REQUESTS_CAP,
+                   max_admitted_estimate=MAX_ONGOING_REQUESTS_CAP,
+                   admitted_set_by="the replica's budget, unknown here")
+
+
 def _analytic_plan(args: AppArgs, engine: EngineSpec) -> DeploymentPlan:
     mem = args.memory
     if mem.capacity_bytes is not None:
@@ -378,6 +383,8 @@ def _analytic_plan(args: AppArgs, engine: EngineSpec) -> DeploymentPlan:
         capacity, source = 0, "memory.budget_bytes"
     try:
         cost_model, weights_bytes = engine.analytic_costs(args)
+    except NoAnalyticCostModelError as exc:
+        return _unpriced_plan(args, str(exc))
     except (OSError, KeyError, ValueError) as exc:
         logger.warning("cannot read the model config to plan the deployment: %s", exc)
         return _plan(args, FALLBACK_MAX_RUNNING, "fallback (model config unreadable)")

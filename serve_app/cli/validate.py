@@ -30,11 +30,11 @@ from serve_app.cli import (
 )
 from serve_app.cli.serve_config import IMPORT_PATH, ServeApp, read_serve_config
 from serve_app.config import AppArgs, ConfigError
+from serve_app.kinds import context_problems
 from serve_app.memory.budget import InsufficientMemoryError
 from serve_app.memory.cost_model import TOKEN_AXES
 from serve_app.planning import (
     DeploymentPlan,
-    context_problems,
     model_context,
     p95_request_shapes,
     plan_deployment,
@@ -140,7 +140,8 @@ def context_warnings(where: str, model: CheckedModel) -> list[str]:
                       for s in p95_request_shapes(args, engine.kinds,
                                                   model_context(args, engine)))
     return [f"{where}: {problem}, so requests are planned within it (P95: {p95})"
-            for problem in context_problems(args, engine)]
+            for problem in context_problems(args.limits, engine.kinds,
+                                            engine.planned_context(args))]
 
 
 def check_config(path: Path) -> tuple[list[str], list[CheckedApp]]:
@@ -181,8 +182,13 @@ def ok_line(checked: CheckedApp) -> str:
 
 def _unplanned(model: CheckedModel) -> str:
     """``, but ...`` when the model's plan is a fallback because its files cannot be read
-    here (a path that exists only on the cluster, or a placeholder left in the config)."""
-    if model.plan is None or not model.plan.how.startswith("fallback (model config"):
+    here (a path that exists only on the cluster, or a placeholder left in the config);
+    ``, planned without a price ...`` when its engine has no analytic cost model."""
+    how = "" if model.plan is None else model.plan.how
+    if how.startswith("no analytic cost model"):
+        return (f", planned without a price: the {model.args.model.engine_name} engine has no "
+                "analytic cost model, so each replica measures its own at start-up")
+    if not how.startswith("fallback (model config"):
         return ""
     return (", but its model config cannot be read on this machine (a placeholder path, or one "
             "that only the cluster has?): its plan is a fallback")

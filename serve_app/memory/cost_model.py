@@ -99,6 +99,11 @@ class UnknownFeatureError(ValueError):
     """A fitted cost model names a feature nobody registered in this process."""
 
 
+class NoAnalyticCostModelError(ValueError):
+    """An engine prices nothing before a replica has measured it (it has no analytic cost
+    model): planning then knows no price, for a reason other than an unreadable config."""
+
+
 def register_feature(name: str, fn: Callable[[int, int, int], float]) -> None:
     """Make ``name`` usable in fitted cost models: ``fn(slot0, slot1, slot2)`` of a
     :class:`Shape`'s three slots, returning the feature's value (a float, >= 0). Call it at

@@ -308,3 +308,39 @@ def test_limits_the_models_context_cannot_hold_are_warned_and_planned_capped(
     price = shape_bytes(engine.analytic_costs(args)[0], Shape(1, 256, 256))
     assert f"\n  P95 request:          1 x 256 tokens + 256 new: {price} bytes (" in out
     assert plan_deployment(args, engine).request_bytes == price
+
+
+def test_a_model_without_an_analytic_cost_model_is_planned_for_that_reason(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A Whisper directory that is there, on CPU: its config is read fine, but the transcribe
+    engine prices nothing before a replica has measured it. The plan says so, and leaves
+    Ray's cap to the replica's budget (admission.policy budget) instead of a guess of 32
+    requests at once, which a CPU budget of gigabytes would outgrow; a semaphore's permits
+    still set it."""
+    from serve_app.planning import MAX_ONGOING_REQUESTS_CAP
+    from tests.support import build_tiny_whisper
+
+    whisper = build_tiny_whisper(tmp_path / "whisper")
+    capsys.readouterr()
+    raw = {"model": {"engine": "transcribe", "path": str(whisper), "device": "cpu"},
+           "memory": {"capacity_bytes": 4 << 30}}
+    config = tmp_path / "speech.yaml"
+    config.write_text(yaml.safe_dump({"applications": [{"name": "speech", "import_path": OURS,
+                                                        "args": raw}]}))
+    status, out, err = run_main(capsys, "validate", str(config))
+    assert (status, err) == (0, "")
+    assert out == (f"{config}: application 'speech': ok (transcribe engine, model 'whisper', "
+                   "num_gpus 0 per replica, planned without a price: the transcribe engine "
+                   "has no analytic cost model, so each replica measures its own at "
+                   "start-up)\n")
+    args = parse_args(raw)
+    plan = plan_deployment(args, engine_class(args))
+    assert plan.how == ("no analytic cost model (the transcribe engine): each replica "
+                        "measures its requests' prices at start-up")
+    assert plan.max_ongoing_requests == MAX_ONGOING_REQUESTS_CAP
+    assert plan.ongoing_text(64) == (f"{MAX_ONGOING_REQUESTS_CAP} admitted (the replica's "
+                                     "budget, unknown here) + 64 queued "
+                                     "(admission.max_queue_len), capped at 1024")
+    semaphore = parse_args({**raw, "admission": {"policy": "semaphore",
+                                                 "semaphore_permits": 2}})
+    assert plan_deployment(semaphore, engine_class(semaphore)).max_ongoing_requests == 2 + 64

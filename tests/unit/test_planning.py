@@ -14,6 +14,7 @@ import pytest
 from deployments.engines.registry import engine_class
 from serve_app import planning
 from serve_app.config import AppArgs, parse_args
+from serve_app.kinds import context_problems
 from serve_app.memory.budget import InsufficientMemoryError
 from serve_app.memory.cost_model import (
     DTYPE_BYTES,
@@ -332,7 +333,7 @@ def test_the_p95_request_fits_the_models_context_and_what_does_not_is_named() ->
     assert planning.model_context(fake, engine) == 200
     # embeddings: at most the context; a completion: its 150 new tokens and the 50 left.
     assert planning.p95_request_shapes(fake, engine.kinds, 200) == [(8, 180, 0), (1, 50, 150)]
-    assert planning.context_problems(fake, engine) == [
+    assert context_problems(fake.limits, engine.kinds, engine.planned_context(fake)) == [
         "limits.max_input_tokens (256) exceeds the model's context of 200 tokens "
         "(fake.max_seq_tokens): an input holds at most 200 tokens (more is refused with "
         "400, or cut with truncate)",
@@ -345,7 +346,7 @@ def test_the_p95_request_fits_the_models_context_and_what_does_not_is_named() ->
                           "limits": {"max_tokens": 256}})
     assert planning.p95_request_shapes(longest, ("generate",), 100) == [(1, 1, 99)]
     fits = parse_args({"model": {"task": "fake"}})
-    assert planning.context_problems(fits, engine_class(fits)) == []
+    assert context_problems(fits.limits, ("embed", "generate"), (2048, "here")) == []
 
 
 def test_a_generation_profile_prices_prompt_and_new_tokens(tmp_path: Path) -> None:
