@@ -7,7 +7,8 @@ tokenize and price a request once (:class:`~deployments.request_factory.RequestF
 send it to a model replica (:class:`~deployments.model_client.ModelClient`), run keyed
 requests once (:class:`~deployments.idempotency_guard.IdempotencyGuard`) and render OpenAI's
 shapes; errors become HTTP only in :mod:`deployments.http_errors`. Ray Serve's proxy already
-reads or assigns ``X-Request-Id`` and echoes it on every response.
+reads or assigns ``X-Request-Id`` and echoes it on every response. Its models are opened in
+the background (:mod:`deployments.ingress_opening`): the probes answer from its start.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the route signatures at run time.
@@ -20,6 +21,7 @@ from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
+from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 
 from deployments.early_refusal import EarlyRefusalMiddleware
@@ -30,15 +32,22 @@ from deployments.http_middleware import (
     HeadMiddleware,
     HttpMetricsMiddleware,
 )
+from deployments.ingress_opening import Opening, OpeningGate
 from deployments.jobs_http import JobsRoutes
 from deployments.openapi import responses
 from deployments.registry import publish_forever
 from deployments.served_models import ModelBinding, ServedModels, open_model_front
+from serve_app.config import parse_args
 from serve_app.errors import OverloadedError
 from serve_app.metrics import ProcessMetrics, merge_expositions
 from serve_app.schemas import HealthResponse, ModelList, ReadyResponse, StatusResponse
 
 logger = logging.getLogger("ray.serve")
+
+READYZ_WAIT_S = 0.5
+"""The longest ``/readyz`` waits for the registry's snapshot of the model replicas: a
+registry that is not running yet (or restarting) must not hold a probe; it answers from what
+it has (nothing yet: 503)."""
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -59,17 +68,48 @@ class Ingress:
                        idempotency: DeploymentHandle) -> None:
         self._registry = registry
         self._created = int(time.time())
-        context = serve.get_replica_context()
+        context = _replica_context()
         self._replica_id = context.replica_id.unique_id if context else "local"
         self._metrics = ProcessMetrics(context.deployment if context else "Ingress",
-                                       self._replica_id)
+                                       self._replica_id, use_ray=context is not None)
         self._models = ServedModels()
-        for binding in models:
-            await open_model_front(binding, registry, idempotency, self._metrics, self._models)
-        self._args = self._models.fronts[0].args
+        self._model_args = [parse_args(binding.args) for binding in models]
+        self._args = self._model_args[0]
         self._jobs = JobsRoutes(self._models) if self._args.jobs.enabled else None
+        self._app: FastAPI | None = None
+        # Returns at once: Ray Serve routes to this replica only once __init__ has returned.
+        self._opening = Opening(self._open(models, registry, idempotency))
         self._publisher = asyncio.get_running_loop().create_task(
             publish_forever(registry, self._replica_id, self._metrics))
+
+    async def _open(self, models: list[ModelBinding], registry: DeploymentHandle,
+                    idempotency: DeploymentHandle) -> None:
+        """Each model's engine, tokenizer and job store (:func:`open_model_front`), in order;
+        then its inference routes, if the app is built already (else as it is built)."""
+        for binding in models:
+            await open_model_front(binding, registry, idempotency, self._metrics, self._models)
+        if self._app is not None:
+            self._install_inference_routes(self._app)
+
+    def _install_inference_routes(self, app: FastAPI) -> None:
+        """The models' inference routes (their engines' kinds: known once the engines are
+        imported, which takes seconds with torch), and the project's routes no model here
+        serves (404 ``model_not_found``). Added to the running app: no request
+        reaches the routes before (:class:`OpeningGate`), and FastAPI writes the OpenAPI
+        schema when it is first asked for, after."""
+        for route in self._models.installed_routes():
+            route.install(app)
+        self._models.install_unserved(app)
+
+    async def check_health(self) -> None:
+        """Ray Serve's health check: fails once opening the models has failed (Ray Serve then
+        replaces this replica).
+
+        Raises:
+            Exception: what opening the models raised.
+        """
+        if (failure := self._opening.failure()) is not None:
+            raise failure
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         """Ray Serve calls this after ``__init__``; the routes close over this replica."""
@@ -79,15 +119,17 @@ class Ingress:
                       description="Memory-budget admission for model serving on Ray Serve.",
                       dependencies=[Depends(auth)])
         app.add_middleware(BodyLimitMiddleware, max_body_bytes=max(
-            front.args.limits.max_body_bytes for front in self._models.fronts))
+            args.limits.max_body_bytes for args in self._model_args))
         # Before the body is read: refusals by prediction under overload skip it.
         app.add_middleware(EarlyRefusalMiddleware, models=self._models, auth=auth)
+        # Before any part that needs the models open: the probes alone pass before.
+        app.add_middleware(OpeningGate, opening=self._opening)
         app.add_middleware(HttpMetricsMiddleware, metrics=self._metrics)
         app.add_middleware(HeadMiddleware)  # outermost: the others see a GET
         install_error_handlers(app)
-        for route in self._models.installed_routes():
-            route.install(app)
-        self._models.install_unserved(app)
+        self._app = app
+        if self._opening.done and self._opening.failure() is None:
+            self._install_inference_routes(app)
         if self._jobs is not None:
             self._jobs.install(app)
         app.get("/v1/models", response_model=None,
@@ -142,8 +184,13 @@ class Ingress:
 
     async def readyz(self) -> JSONResponse:
         """``GET /readyz`` (and ``HEAD``): 200 once every served model has a replica that has
-        loaded and measured its model, 503 ``no_replicas`` (naming the models without) before."""
-        states = await self._models.states()
+        loaded and measured its model; at once, whatever is still starting: 503 ``starting``
+        while this ingress opens its models (:class:`Opening`), 503 ``no_replicas`` (naming
+        the models without) while a model has no such replica, or while the registry has
+        not answered within ``READYZ_WAIT_S``."""
+        if (starting := self._opening.not_ready()) is not None:
+            return error_response(starting)
+        states = await self._models.states(max_wait_s=READYZ_WAIT_S)
         waiting = [name for name in self._models.names
                    if not any(s.model == name for s in states)]
         if waiting:
@@ -155,3 +202,13 @@ class Ingress:
     def __del__(self) -> None:
         if getattr(self, "_publisher", None) is not None:
             self._publisher.cancel()
+        if getattr(self, "_opening", None) is not None:
+            self._opening.cancel()
+
+
+def _replica_context() -> Any:
+    """Ray Serve's context of this replica; ``None`` outside one (tests)."""
+    try:
+        return serve.get_replica_context()
+    except RayServeException:
+        return None

@@ -43,7 +43,9 @@ class JobBroker:
     the old one then stops that server as it goes (and Ray kills its worker's children). The
     new broker therefore starts the server again, on the same append-only file, whenever it
     is gone: at each health check (every ``HEALTH_CHECK_PERIOD_S``) and before answering
-    :meth:`url`. Clients on the socket reconnect by themselves.
+    :meth:`url`. Clients on the socket reconnect by themselves. A server left running by a
+    broker killed without a word (``ray stop --force``) is adopted, and stopped with this one
+    (:class:`~serve_app.jobs.embedded.EmbeddedRedis`).
     """
 
     def __init__(self, data_dir: str) -> None:

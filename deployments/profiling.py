@@ -111,7 +111,8 @@ def _profile(args: AppArgs, cls: type[Engine], opened: OpenedEngine, largest: Sh
             f"{probe.capacity_bytes()} bytes, model holds {opened.held_bytes}): {exc}. Lower "
             "limits.max_inputs / limits.max_input_tokens / limits.max_tokens, or give the "
             "replica more memory (num_gpus, memory.capacity_bytes).") from None
-    on_progress("memory profile:\n" + profile.table())
+    # The replica's log; not a progress line: the profile command prints it in its report.
+    logger.info("memory profile:\n%s", profile.table())
     return profile
 
 

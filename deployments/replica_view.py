@@ -52,16 +52,22 @@ class ReplicaView:
         self._taken_at = -float("inf")
         self._fetching: asyncio.Future[None] | None = None
 
-    async def states(self) -> list[ReplicaState]:
+    async def states(self, max_wait_s: float | None = None) -> list[ReplicaState]:
         """Every live model replica's last published state (``[]`` while the registry is
-        unavailable: no replicas, not a 500)."""
+        unavailable: no replicas, not a 500). ``max_wait_s``: the longest this call waits for
+        a snapshot being fetched (``None``: until it arrives); then it answers with the one
+        it has (``[]`` before the first)."""
         age_s = self._clock() - self._taken_at
         if age_s < STATUS_CACHE_S:
             return self._states
         if self._fetching is None:
             self._fetching = asyncio.ensure_future(self._fetch())
         if age_s >= STALE_WHILE_FETCHING_S:
-            await asyncio.shield(self._fetching)  # a caller leaving does not stop the fetch
+            # A caller leaving (or giving up) does not stop the fetch.
+            try:
+                await asyncio.wait_for(asyncio.shield(self._fetching), max_wait_s)
+            except TimeoutError:
+                pass
         return self._states
 
     async def _fetch(self) -> None:

@@ -90,7 +90,7 @@ async def open_model_front(binding: ModelBinding, registry: DeploymentHandle,
     client = ModelClient(binding.handle, replicas, adm.max_queue_wait_s, metrics,
                          args.deployment.max_replicas if args.deployment.autoscaling else None,
                          adm.refuse_predicted_waits)
-    engine = engine_class(args)
+    engine = await asyncio.to_thread(engine_class, args)  # imports torch: off the loop
     front_end = await asyncio.to_thread(engine.front_end, args)
     guard = IdempotencyGuard(idempotency, client,
                              adm.max_queue_wait_s + adm.inference_timeout_s + 5, metrics)
@@ -192,9 +192,11 @@ class ServedModels:
 
         return not_served
 
-    async def states(self) -> list[ReplicaState]:
-        """Every live model replica of every served model."""
-        views = await asyncio.gather(*(front.replicas.states() for front in self.fronts))
+    async def states(self, max_wait_s: float | None = None) -> list[ReplicaState]:
+        """Every live model replica of every served model (``max_wait_s``: as
+        :meth:`ReplicaView.states`)."""
+        views = await asyncio.gather(*(front.replicas.states(max_wait_s=max_wait_s)
+                                       for front in self.fronts))
         return [state for states in views for state in states]
 
 

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="vramgate", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="vramgate", description=plain(__doc__.split("\n\n")[0]))
     commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
     _configs_command(
         commands, "validate", validate_command,
@@ -92,7 +92,8 @@ def _parser() -> argparse.ArgumentParser:
         "the models' GPU shares pack onto cards.")
     plan.add_argument("--gpus", type=int, default=None, metavar="N",
                       help="the GPUs of the cluster it will run on: refuse (exit status 1) "
-                      "an application whose replicas cannot all be placed on N cards")
+                      "an application whose replicas, autoscaled to their most, cannot all "
+                      "be placed on N cards")
     profile = commands.add_parser(
         "profile", help="measure a model's memory and recommend deployment options",
         description="Load the model of a serve config's application in this process (no "
@@ -109,6 +110,12 @@ def _parser() -> argparse.ArgumentParser:
                          "profiles/<app>-<model>.json for one of several models)")
     profile.set_defaults(command=profile_command)
     return parser
+
+
+def plain(text: str) -> str:
+    """``text`` of a docstring as a terminal shows it: without reStructuredText's ````code````
+    marks (argparse prints a description as it is)."""
+    return text.replace("``", "")
 
 
 def _configs_command(commands: Any, name: str, command: Callable[[argparse.Namespace], int],

@@ -22,6 +22,7 @@ from deployments.router import ROUTER_CLASS_PATH
 from deployments.served_models import ModelBinding
 from serve_app.app_config import parse_models
 from serve_app.config import AppArgs
+from serve_app.kinds import context_problems
 from serve_app.placement import cluster_cards, gpu_placement_problem, packing_problem
 from serve_app.planning import DeploymentPlan, plan_deployment
 
@@ -142,7 +143,9 @@ def _plan_on_cluster(cfg: AppArgs) -> tuple[AppArgs, DeploymentPlan]:
         the refusals of :data:`deployments.fail_fast.REFUSALS`, from the measurement.
     """
     measurement = measure_before_deploy(cfg) if ray.is_initialized() else None
-    plan = plan_deployment(cfg, engine_class(cfg), measurement)
+    plan = plan_deployment(cfg, engine := engine_class(cfg), measurement)
+    for problem in context_problems(cfg.limits, engine.kinds, engine.planned_context(cfg)):
+        logger.warning("model %r: %s; requests are planned within it", cfg.model.name, problem)
     if measurement is not None and measurement.profile_path:
         memory = cfg.memory.model_copy(update={"profile_path": measurement.profile_path})
         cfg = cfg.model_copy(update={"memory": memory})

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from serve_app.jobs.config import JobsConfig
+from serve_app.user_cache import user_cache_dir
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -99,9 +100,11 @@ class MemoryConfig(_Section):
         "resources and derive `max_ongoing_requests` from it (cached; see "
         "`measurement_cache_dir`). false: plan from the analytic estimate.")
     measurement_cache_dir: str = Field(
-        "~/.cache/vramgate/measurements", description="Where measurements made before a "
-        "deployment are kept for later runs, keyed by model, dtype, card, GPU share, limits "
-        "and allocator setting. On a multi-node cluster, a directory every node mounts.")
+        default_factory=lambda: user_cache_dir("measurements"), description="Where "
+        "measurements made before a deployment are kept for later runs, keyed by model, "
+        "dtype, card, GPU share, limits and allocator setting. On a multi-node cluster, a "
+        "directory every node mounts. Default: `$VRAMGATE_CACHE_DIR/measurements`, else "
+        "`~/.cache/vramgate/measurements`: the user's, shared by every app and checkout.")
 
 
 class AdmissionConfig(_Section):
@@ -343,7 +346,9 @@ class AppArgs(_Section):
     """Everything under ``args:`` in a config's application entry."""
 
     model: ModelConfig = ModelConfig()
-    memory: MemoryConfig = MemoryConfig()
+    # Made per parse (a default factory), not at import: their directories' defaults read
+    # the environment (serve_app.user_cache).
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
     admission: AdmissionConfig = AdmissionConfig()
     limits: LimitsConfig = LimitsConfig()
     deployment: DeploymentConfig = DeploymentConfig()
@@ -352,7 +357,7 @@ class AppArgs(_Section):
     idempotency: IdempotencyConfig = IdempotencyConfig()
     logging: LoggingConfig = LoggingConfig()
     batching: BatchingConfig = BatchingConfig()
-    jobs: JobsConfig = JobsConfig()
+    jobs: JobsConfig = Field(default_factory=JobsConfig)
 
     @model_validator(mode="after")
     def _check_device(self) -> AppArgs:

@@ -66,9 +66,15 @@ class RequestKind:
         """The largest request the limits allow on a model of ``max_seq_tokens``."""
         raise NotImplementedError
 
-    def p95_shape(self, args: AppArgs) -> Shape:
-        """A P95-sized request of the traffic (``deployment.p95_*``), for planning."""
+    def p95_shape(self, args: AppArgs, context: int | None = None) -> Shape:
+        """A P95-sized request of the traffic (``deployment.p95_*``), for planning, within
+        the model's ``context`` (tokens; ``None``: unknown)."""
         raise NotImplementedError
+
+    def context_problem(self, limits: LimitsConfig, context: int, source: str) -> str | None:
+        """What of ``limits`` a model whose context is ``context`` tokens (read from
+        ``source``) cannot hold, in words naming the keys; ``None``: it holds all of it."""
+        return None
 
     def fits_context(self, prompt_tokens: int, new_tokens: int, max_seq_tokens: int) -> bool:
         """Whether a pass padded to ``prompt_tokens`` generating ``new_tokens`` fits the
@@ -112,9 +118,17 @@ class EmbedKind(RequestKind):
     def largest_shape(self, limits: LimitsConfig, max_seq_tokens: int) -> Shape:
         return Shape(limits.max_inputs, min(limits.max_input_tokens, max_seq_tokens), 0)
 
-    def p95_shape(self, args: AppArgs) -> Shape:
+    def p95_shape(self, args: AppArgs, context: int | None = None) -> Shape:
         tokens = min(args.deployment.p95_input_tokens, args.limits.max_input_tokens)
-        return Shape(min(args.deployment.p95_inputs, args.limits.max_inputs), tokens, 0)
+        return Shape(min(args.deployment.p95_inputs, args.limits.max_inputs),
+                     min(tokens, context) if context else tokens, 0)
+
+    def context_problem(self, limits: LimitsConfig, context: int, source: str) -> str | None:
+        if limits.max_input_tokens <= context:
+            return None
+        return (f"limits.max_input_tokens ({limits.max_input_tokens}) exceeds the model's "
+                f"context of {context} tokens ({source}): an input holds at most {context} "
+                "tokens (more is refused with 400, or cut with truncate)")
 
 
 class GenerateKind(RequestKind):
@@ -162,11 +176,23 @@ class GenerateKind(RequestKind):
         prompt = min(limits.max_input_tokens, max_seq_tokens, max_seq_tokens - 1)
         return Shape(1, prompt, min(limits.max_tokens, max_seq_tokens - prompt))
 
-    def p95_shape(self, args: AppArgs) -> Shape:
+    def p95_shape(self, args: AppArgs, context: int | None = None) -> Shape:
         # A completion is charged for the max_tokens it asks for, and no knob says what the
-        # traffic asks: this is the most it may ask.
-        tokens = min(args.deployment.p95_input_tokens, args.limits.max_input_tokens)
-        return Shape(1, tokens, args.limits.max_tokens)
+        # traffic asks: this is the most it may ask (as much as the context leaves a prompt
+        # of one token), with the prompt cut to what the context leaves it.
+        limits = args.limits
+        new = min(limits.max_tokens, context - 1) if context else limits.max_tokens
+        tokens = min(args.deployment.p95_input_tokens, limits.max_input_tokens,
+                     context - new if context else limits.max_input_tokens)
+        return Shape(1, tokens, new)
+
+    def context_problem(self, limits: LimitsConfig, context: int, source: str) -> str | None:
+        if limits.max_input_tokens + limits.max_tokens <= context:
+            return None
+        return (f"limits.max_input_tokens ({limits.max_input_tokens}) + limits.max_tokens "
+                f"({limits.max_tokens}) exceed the model's context of {context} tokens "
+                f"({source}): a prompt and its completion together hold at most {context} "
+                "tokens (more is refused with 400)")
 
 
 # Whisper's log-mel front end: 10 ms hops at 16 kHz, 30 s windows (Radford et al. 2022, sec.
@@ -215,7 +241,7 @@ class TranscribeKind(RequestKind):
     def largest_shape(self, limits: LimitsConfig, max_seq_tokens: int) -> Shape:
         return Shape(1, audio_frames(int(limits.max_audio_s * AUDIO_SAMPLE_RATE_HZ)), 0)
 
-    def p95_shape(self, args: AppArgs) -> Shape:
+    def p95_shape(self, args: AppArgs, context: int | None = None) -> Shape:
         # No knob says how long the traffic's audio is: one 30 s window, or the limit.
         seconds = min(30.0, args.limits.max_audio_s)
         return Shape(1, audio_frames(int(seconds * AUDIO_SAMPLE_RATE_HZ)), 0)
@@ -257,6 +283,18 @@ def largest_shape(kinds: Sequence[str], limits: LimitsConfig, max_seq_tokens: in
     prompt = min(s.prompt_tokens for s in generating) if generating else \
         max(s.prompt_tokens for s in shapes)
     return Shape(max(s.inputs for s in shapes), prompt, max(s.new_tokens for s in shapes))
+
+
+def context_problems(limits: LimitsConfig, kinds: Sequence[str],
+                     context: tuple[int, str] | None) -> list[str]:
+    """What of ``limits`` a model serving ``kinds`` cannot hold within its ``context``
+    (tokens, and where it was read; ``None``: unknown, nothing is said), one line per kind
+    (:meth:`RequestKind.context_problem`): the replicas refuse such requests, and the plan
+    prices requests within the context."""
+    if context is None:
+        return []
+    return [problem for kind in kinds
+            if (problem := KINDS[kind].context_problem(limits, *context))]
 
 
 def build_request(kind: str, input_ids: Sequence[Sequence[int]],

@@ -36,7 +36,7 @@ from serve_app.config import AppArgs
 from serve_app.kinds import KINDS
 from serve_app.measurement import Measurement
 from serve_app.memory.budget import budget_formula_bytes, derive_budget_bytes
-from serve_app.memory.cost_model import CostModel, Shape
+from serve_app.memory.cost_model import CostModel, NoAnalyticCostModelError, Shape
 from serve_app.memory.profiler import MemoryProfile, load_profile
 from serve_app.memory.reuse import ExpectedProfile, profile_device_kind, reuse_problems
 from serve_app.pricing import shape_bytes
@@ -77,6 +77,10 @@ class EngineSpec(Protocol):
         Raises:
             OSError, KeyError, ValueError: the model's config cannot be read.
         """
+
+    def planned_context(self, args: AppArgs) -> tuple[int, str] | None:
+        """The model's context (tokens) and where it was read, without loading the model;
+        ``None``: unknown here (or not a token context)."""
 
 
 def planned_host_capacity(args: AppArgs) -> tuple[int, str]:
@@ -197,7 +201,8 @@ def plan_deployment(args: AppArgs, engine: EngineSpec,
 
 def plan_from_profile(args: AppArgs, profile: MemoryProfile, kinds: Sequence[str], *,
                       card_bytes: int | None = None, min_budget_bytes: int = 0,
-                      source: str = "measured profile") -> DeploymentPlan:
+                      source: str = "measured profile",
+                      context: int | None = None) -> DeploymentPlan:
     """The options a measured ``profile`` yields under ``args`` for an engine serving
     ``kinds``: the one computation shared by build-time planning and the ``profile``
     command's recommendation.
@@ -220,6 +225,7 @@ def plan_from_profile(args: AppArgs, profile: MemoryProfile, kinds: Sequence[str
             allow, under the budget policy); it raises the recommended GPU share, and
             :func:`~serve_app.memory.budget.derive_budget_bytes` refuses a smaller budget.
         source: the start of ``how``, e.g. ``measured profile profiles/vramgate.json``.
+        context: the model's context, tokens (``None``: unknown): the P95 request fits it.
 
     Raises:
         InsufficientMemoryError: the derived budget would be <= 0 or below
@@ -230,7 +236,7 @@ def plan_from_profile(args: AppArgs, profile: MemoryProfile, kinds: Sequence[str
                                  profile.held_bytes, mem.reserve_bytes, mem.safety_factor,
                                  min_request_bytes=min_budget_bytes,
                                  override_bytes=mem.budget_bytes)
-    price = p95_request_bytes(args, kinds, profile.cost_model)
+    price = p95_request_bytes(args, kinds, profile.cost_model, context)
     plan = _plan(args, max_running_requests(budget, price), source, budget, price,
                  max_running_requests(budget, shape_bytes(profile.cost_model, SMALLEST_SHAPE)))
     if profile_device_kind(profile) == "cpu":
@@ -249,23 +255,36 @@ def max_running_requests(budget_bytes: int, request_bytes: int) -> int:
     return max(1, budget_bytes // max(1, request_bytes))
 
 
-def p95_request_shapes(args: AppArgs, kinds: Sequence[str]) -> list[Shape]:
+def p95_request_shapes(args: AppArgs, kinds: Sequence[str],
+                       context: int | None = None) -> list[Shape]:
     """The shape of a P95-sized request of each of ``kinds``
-    (:meth:`serve_app.kinds.RequestKind.p95_shape`), with
-    ``tokens = min(deployment.p95_input_tokens, limits.max_input_tokens)``:
+    (:meth:`serve_app.kinds.RequestKind.p95_shape`) on a model of ``context`` tokens
+    (``None``: unknown), with ``tokens = min(deployment.p95_input_tokens,
+    limits.max_input_tokens)``:
 
-    - embeddings: ``min(deployment.p95_inputs, limits.max_inputs)`` inputs of ``tokens``;
+    - embeddings: ``min(deployment.p95_inputs, limits.max_inputs)`` inputs of ``tokens``
+      (at most ``context``);
     - completions: one prompt of ``tokens`` asking for ``limits.max_tokens`` new tokens (a
       completion is charged for the ``max_tokens`` it asks for, and no knob says what your
-      traffic asks; this is the most it may ask).
+      traffic asks; this is the most it may ask), both cut to fit ``context`` together: at
+      most ``context - 1`` new tokens, the prompt at most what they leave.
     """
-    return [KINDS[kind].p95_shape(args) for kind in kinds]
+    return [KINDS[kind].p95_shape(args, context) for kind in kinds]
 
 
-def p95_request_bytes(args: AppArgs, kinds: Sequence[str], cost_model: CostModel) -> int:
+def p95_request_bytes(args: AppArgs, kinds: Sequence[str], cost_model: CostModel,
+                      context: int | None = None) -> int:
     """The price of a P95 request: the largest ``cost_model`` price
     (:func:`serve_app.pricing.shape_bytes`) over :func:`p95_request_shapes`, bytes."""
-    return max(shape_bytes(cost_model, shape) for shape in p95_request_shapes(args, kinds))
+    return max(shape_bytes(cost_model, shape)
+               for shape in p95_request_shapes(args, kinds, context))
+
+
+def model_context(args: AppArgs, engine: EngineSpec) -> int | None:
+    """The model's context in tokens as known without loading it
+    (:meth:`EngineSpec.planned_context`), ``None``: unknown."""
+    found = engine.planned_context(args)
+    return found[0] if found else None
 
 
 def gpu_share_for(budget_bytes: int, held_bytes: int, args: AppArgs, card_bytes: int) -> float:
@@ -314,7 +333,8 @@ def _measured_plan(args: AppArgs, engine: EngineSpec,
     return plan_from_profile(args, measurement.profile, engine.kinds,
                              card_bytes=measurement.card_bytes,
                              min_budget_bytes=measurement.max_request_bytes if must_fit else 0,
-                             source=measurement.describe())
+                             source=measurement.describe(),
+                             context=model_context(args, engine))
 
 
 def _profile_plan(args: AppArgs, engine: EngineSpec) -> DeploymentPlan | None:
@@ -330,7 +350,24 @@ def _profile_plan(args: AppArgs, engine: EngineSpec) -> DeploymentPlan | None:
         logger.warning("profile %s does not match (%s); planning from the analytic estimate",
                        path, "; ".join(problems))
         return None
-    return plan_from_profile(args, profile, engine.kinds, source=f"measured profile {path}")
+    return plan_from_profile(args, profile, engine.kinds, source=f"measured profile {path}",
+                             context=model_context(args, engine))
+
+
+def _unpriced_plan(args: AppArgs, engine: str) -> DeploymentPlan:
+    """The plan of an engine that prices nothing before a replica measures it. Under a policy
+    that admits by the budget, Ray's cap must not bind before the budget (see
+    :meth:`~serve_app.admission.policy.BudgetPolicy.admitted_estimate`), which only the
+    replica knows: the cap is :data:`MAX_ONGOING_REQUESTS_CAP`, the replica's FIFO bounding
+    what waits (a guess of :data:`FALLBACK_MAX_RUNNING` would bind first wherever the budget
+    holds more, and the rest would wait unseen in Ray Serve's handle queue)."""
+    plan = _plan(args, FALLBACK_MAX_RUNNING, f"no analytic cost model ({engine}): each "
+                 "replica measures its requests' prices at start-up")
+    if not policy_class(args.admission.policy).budget_must_hold_largest:
+        return plan
+    return replace(plan, max_ongoing_requests=MAX_ONGOING_REQUESTS_CAP,
+                   max_admitted_estimate=MAX_ONGOING_REQUESTS_CAP,
+                   admitted_set_by="the replica's budget, unknown here")
 
 
 def _analytic_plan(args: AppArgs, engine: EngineSpec) -> DeploymentPlan:
@@ -346,6 +383,8 @@ def _analytic_plan(args: AppArgs, engine: EngineSpec) -> DeploymentPlan:
         capacity, source = 0, "memory.budget_bytes"
     try:
         cost_model, weights_bytes = engine.analytic_costs(args)
+    except NoAnalyticCostModelError as exc:
+        return _unpriced_plan(args, str(exc))
     except (OSError, KeyError, ValueError) as exc:
         logger.warning("cannot read the model config to plan the deployment: %s", exc)
         return _plan(args, FALLBACK_MAX_RUNNING, "fallback (model config unreadable)")
@@ -354,7 +393,7 @@ def _analytic_plan(args: AppArgs, engine: EngineSpec) -> DeploymentPlan:
     else:
         budget = budget_formula_bytes(capacity, weights_bytes, mem.reserve_bytes,
                                       mem.safety_factor)
-    price = p95_request_bytes(args, engine.kinds, cost_model)
+    price = p95_request_bytes(args, engine.kinds, cost_model, model_context(args, engine))
     return _plan(args, max_running_requests(budget, price), f"analytic estimate from {source}",
                  budget, price,
                  max_running_requests(budget, shape_bytes(cost_model, SMALLEST_SHAPE)))

@@ -9,6 +9,7 @@ from fastapi import FastAPI
 
 from deployments.engines.registry import engine_class
 from deployments.ingress import Ingress
+from deployments.ingress_opening import Opening
 from deployments.model_client import ModelClient
 from deployments.replica_view import ReplicaView
 from deployments.routes import ROUTES, RouteContext
@@ -49,6 +50,7 @@ def ingress_app(args: AppArgs, replicas: Any = None, factory: Any = None,
     context = RouteContext(args, factory, client, guard, None, ingress._models)
     routes = {R.path: R(context) for R in ROUTES if R.kind in engine.kinds}
     ingress._models.add(ModelFront(args, engine, None, replicas, client, routes, None))
-    ingress._args, ingress._jobs = args, None
+    ingress._args, ingress._jobs, ingress._model_args = args, None, [args]
+    ingress._opening = Opening()  # its one model is open already
     ingress._metrics = metrics
     return ingress.__serve_build_asgi_app__()

@@ -41,6 +41,7 @@ from serve_app.memory.cost_model import (
     ENCODER_FEATURES,
     TOKEN_AXES,
     CostModel,
+    NoAnalyticCostModelError,
     Shape,
 )
 from serve_app.memory.probes import DeviceProbe
@@ -190,9 +191,17 @@ class Engine:
         """The analytic cost model and the weights' bytes, for planning.
 
         Raises:
-            ValueError: none is known (planning then falls back to a fixed estimate).
+            NoAnalyticCostModelError: none is known (the default; planning then leaves the
+                prices to the replicas' measurements).
+            OSError, KeyError, ValueError: the model's config cannot be read.
         """
-        raise ValueError(f"{cls.__name__} has no analytic cost model")
+        raise NoAnalyticCostModelError(f"the {args.model.engine_name} engine")
+
+    @classmethod
+    def planned_context(cls, args: AppArgs) -> tuple[int, str] | None:
+        """The model's context (tokens) and where it was read, without loading the model,
+        for planning and ``vramgate validate``; ``None`` (the default): unknown here."""
+        return None
 
     @classmethod
     def open(cls, args: AppArgs) -> OpenedEngine:

@@ -108,6 +108,19 @@ class EmbeddingEngine(EmbeddingRunner, HFEngine):
         return EmbeddingFrontEnd(read_layout(path), shape.max_positions, shape.vocab_size)
 
     @classmethod
+    def planned_context(cls, args: AppArgs) -> tuple[int, str] | None:
+        """:meth:`HFEngine.planned_context`, or the sentence-transformers
+        ``max_seq_length`` when it is shorter (what the front end reads at most)."""
+        found = super().planned_context(args)
+        try:
+            declared = read_layout(args.model.resolved_path()).max_seq_length
+        except (UnsupportedLayout, OSError, ValueError, KeyError):
+            return found
+        if found is not None and declared is not None and int(declared) < found[0]:
+            return int(declared), "max_seq_length in its sentence_bert_config.json"
+        return found
+
+    @classmethod
     def check_args(cls, args: AppArgs) -> None:
         path = args.model.resolved_path()
         if not path.exists():

@@ -175,6 +175,10 @@ class FakeEngine(FakeDecodeSteps, EmbeddingRunner, GenerationRunner, Engine):
                 "fake.device_capacity_bytes x num_gpus")
 
     @classmethod
+    def planned_context(cls, args: AppArgs) -> tuple[int, str]:
+        return args.fake.max_seq_tokens, "fake.max_seq_tokens"
+
+    @classmethod
     def analytic_costs(cls, args: AppArgs) -> tuple[FittedCostModel, int]:
         """The configured costs, which are exact."""
         fake = args.fake

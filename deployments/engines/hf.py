@@ -18,6 +18,7 @@ from deployments.engines.devices import resolve_dtype
 from serve_app.config import AppArgs, config_error
 from serve_app.errors import InvalidRequestError
 from serve_app.memory.cost_model import DTYPE_BYTES, AnalyticCostModel, TransformerShape
+from serve_app.memory.model_shape import max_positions_key
 from serve_app.token_inputs import SpecialTokens
 
 logger = logging.getLogger(__name__)
@@ -246,6 +247,16 @@ class HFEngine(ModelDirectoryEngine):
         shape = cls.model_shape(config, DTYPE_BYTES[dtype])
         model = AnalyticCostModel(shape)
         return model, model.weights_bytes()
+
+    @classmethod
+    def planned_context(cls, args: AppArgs) -> tuple[int, str] | None:
+        """``config.json``'s positions (``None`` where it cannot be read here)."""
+        try:
+            config = read_config(cls.model_dir(args.model.resolved_path()))
+            positions = cls.model_shape(config, 4).max_positions
+        except (OSError, KeyError, ValueError):
+            return None
+        return positions, f"{max_positions_key(config)} in its config.json"
 
     @classmethod
     def load(cls, args: AppArgs, device: str) -> HFEngine:

@@ -108,8 +108,8 @@ def profile_rows(tag: str, measured: MeasuredReplica, spec: EngineSpec) -> list[
         info(scenario, "largest request / its price",
              f"{tuple(measured.largest)} / {mib(measured.max_request_bytes)}"),
         _bounded(scenario, f"held-out error ({sum(p.held_out for p in profile.points)} of "
-                 f"{len(profile.points)} points)", profile.fit_error, spec.fit_bound,
-                 share(profile.fit_error)),
+                 f"{len(profile.points)} points)", profile.held_out_error, spec.fit_bound,
+                 share(profile.held_out_error)),
         info(scenario, "analytic / measured", f"{low:.2f} .. {high:.2f}"),
         info(scenario, "profiling time", f"{profile.duration_s:.1f} s"),
     ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 
 from serve_app.config import ConfigError
+from serve_app.memory.cost_model import TOKEN_AXES
 
 EXIT_OK, EXIT_FAILED = 0, 1
 """Exit statuses: 0 done (for ``validate``: no problem found); 1 any error."""
@@ -42,3 +43,18 @@ def config_problems(exc: ConfigError, where: str = "") -> list[str]:
 def print_error(line: str) -> None:
     """Print one problem to stderr as one line: ``vramgate: <line>``."""
     print(f"vramgate: {one_line(line)}", file=sys.stderr, flush=True)
+
+
+def print_warning(line: str) -> None:
+    """Print one warning (not a problem: the exit status is unchanged) to stderr as one line:
+    ``vramgate: warning: <line>``."""
+    print(f"vramgate: warning: {one_line(line)}", file=sys.stderr, flush=True)
+
+
+def shape_text(shape: tuple[int, int, int], axes: tuple[str, ...] = TOKEN_AXES) -> str:
+    """A request shape in words: ``4 x 64 tokens + 32 new`` on the token axes, else each
+    axis named (``files=1 audio_frames=6000 new_tokens=0``, ``Engine.shape_axes``)."""
+    if tuple(axes) != TOKEN_AXES:
+        return " ".join(f"{axis}={value}" for axis, value in zip(axes, shape, strict=True))
+    batch, prompt, new = shape
+    return f"{batch} x {prompt} tokens" + (f" + {new} new" if new else "")

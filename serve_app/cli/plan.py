@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from serve_app.cli import EXIT_FAILED, EXIT_OK, print_error
+from serve_app.cli import EXIT_FAILED, EXIT_OK, print_error, print_warning, shape_text
 from serve_app.cli.serve_config import IMPORT_PATH, ServeApp
 from serve_app.cli.validate import CheckedApp, check_config
 from serve_app.config import AppArgs
@@ -26,9 +26,17 @@ from serve_app.measurement import (
 )
 from serve_app.memory.budget import InsufficientMemoryError
 from serve_app.memory.cost_model import TOKEN_AXES
-from serve_app.placement import gpu_packing, packing_problem
+from serve_app.placement import (
+    FEWEST,
+    INITIAL,
+    MOST,
+    gpu_packing,
+    packing_problem,
+    replica_count,
+)
 from serve_app.planning import (
     DeploymentPlan,
+    model_context,
     p95_request_shapes,
     plan_deployment,
 )
@@ -52,6 +60,8 @@ def plan_command(options: argparse.Namespace) -> int:
             problems.append(f"{path}: no application has import_path {IMPORT_PATH}")
         for line in problems:
             print_error(line)
+        for line in [w for c in checked for w in c.warnings]:
+            print_warning(line)
         failed = failed or bool(problems)
         for c in planned if not problems else []:
             failed = not _print_plan(c, getattr(options, "gpus", None)) or failed
@@ -61,8 +71,9 @@ def plan_command(options: argparse.Namespace) -> int:
 def _print_plan(checked: CheckedApp, gpus: int | None = None) -> bool:
     """Print the plan of each model of a valid vramgate application (from the measurement
     ``serve run`` made, when it is cached here) and, for GPU models, how their shares pack
-    onto cards; ``False`` when a measurement leaves no budget, or the replicas cannot all be
-    placed on ``gpus`` cards (``None``: not checked)."""
+    onto cards; ``False`` when a measurement leaves no budget, or the most replicas the
+    models may run (autoscaled to ``deployment.max_replicas``) cannot all be placed on
+    ``gpus`` cards (``None``: not checked)."""
     app, several = checked.app, len(checked.models) > 1
     lines: list[str] = []
     for model in checked.models:
@@ -82,7 +93,7 @@ def _print_plan(checked: CheckedApp, gpus: int | None = None) -> bool:
     models = [m.args for m in checked.models]
     lines += packing_lines(models)
     print("\n".join(lines))
-    if gpus is not None and (problem := packing_problem(models, gpus)):
+    if gpus is not None and (problem := packing_problem(models, gpus, MOST)):
         print_error(f"{app.where}: {problem}")
         return False
     return True
@@ -90,13 +101,23 @@ def _print_plan(checked: CheckedApp, gpus: int | None = None) -> bool:
 
 def packing_lines(models: list[AppArgs]) -> list[str]:
     """How the GPU shares of every model replica pack onto whole cards
-    (:func:`serve_app.placement.gpu_packing`); nothing for an app without GPU replicas."""
-    cards, _ = gpu_packing(models)
+    (:func:`serve_app.placement.gpu_packing`): with autoscaling, how many cards the fewest,
+    the initial and the most replicas need, and how the most pack; nothing for an app
+    without GPU replicas."""
+    cards, _ = gpu_packing(models, when=MOST)
     if not cards:
         return []
-    lines = [f"  GPUs needed:          {len(cards)}   (each replica's num_gpus is a share of "
+    counts = {when: (len(gpu_packing(models, when=when)[0]),
+                     sum(replica_count(m, when) for m in models if m.deployment.num_gpus > 0))
+              for when in (FEWEST, INITIAL, MOST)}
+    scaled = len(set(counts.values())) > 1
+    needed = (f"{counts[FEWEST][0]} {FEWEST} ({counts[FEWEST][1]} replicas), "
+              f"{counts[INITIAL][0]} {INITIAL} ({counts[INITIAL][1]}), "
+              f"{counts[MOST][0]} {MOST} ({counts[MOST][1]})") if scaled else str(len(cards))
+    lines = [f"  GPUs needed:          {needed}   (each replica's num_gpus is a share of "
              "one card)"]
-    lines += [f"    GPU {i}: " + ", ".join(f"{name} ({share:g})" for name, share in card)
+    lines += [f"    {MOST + ', ' if scaled else ''}GPU {i}: "
+              + ", ".join(f"{name} ({share:g})" for name, share in card)
               + f"   ({sum(share for _, share in card):g} of 1)"
               for i, card in enumerate(cards)]
     return lines
@@ -137,7 +158,8 @@ def plan_lines(title: str, args: AppArgs, engine: EngineSpec,
                 f"{dep.max_replicas} on the admission queue" if dep.autoscaling
                 else str(dep.num_replicas))
     p95 = " or ".join(shape_text(s, getattr(engine, "shape_axes", TOKEN_AXES))
-                     for s in p95_request_shapes(args, engine.kinds))
+                     for s in p95_request_shapes(args, engine.kinds,
+                                                 model_context(args, engine)))
     lines = [
         title,
         f"  model:                {args.model.name} ({args.model.engine_name} engine, on "
@@ -164,15 +186,6 @@ def plan_lines(title: str, args: AppArgs, engine: EngineSpec,
 
 def _replicas(count: int) -> str:
     return f"{count} replica" + ("" if count == 1 else "s")
-
-
-def shape_text(shape: tuple[int, int, int], axes: tuple[str, ...] = TOKEN_AXES) -> str:
-    """A request shape in words: ``4 x 64 tokens + 32 new`` on the token axes, else each
-    axis named (``files=1 audio_frames=6000 new_tokens=0``, ``Engine.shape_axes``)."""
-    if tuple(axes) != TOKEN_AXES:
-        return " ".join(f"{axis}={value}" for axis, value in zip(axes, shape, strict=True))
-    batch, prompt, new = shape
-    return f"{batch} x {prompt} tokens" + (f" + {new} new" if new else "")
 
 
 def bytes_text(n: int | None) -> str:

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from serve_app.admission.policy import policy_class
-from serve_app.cli import EXIT_OK, CliError
-from serve_app.cli.plan import application_allocator, bytes_text, shape_text
+from serve_app.cli import EXIT_OK, CliError, shape_text
+from serve_app.cli.plan import application_allocator, bytes_text
 from serve_app.cli.serve_config import read_application
 from serve_app.cli.validate import load_args
 from serve_app.config import AppArgs
@@ -59,7 +59,7 @@ def profile_command(options: argparse.Namespace) -> int:
         # the whole card, for the recommended GPU share (CUDA's, or the simulated card's)
         card_bytes=getattr(measured.probe, "total_bytes", None),
         min_budget_bytes=measured.max_request_bytes if must_fit else 0,
-        source="this measurement")
+        source="this measurement", context=measured.engine.max_seq_tokens)
     measured.profile.save(out)
     print(report(app.name, options.config, args, measured, plan, out))
     return EXIT_OK
@@ -105,7 +105,7 @@ def report(name: str, config_path: Path, args: AppArgs, measured: MeasuredReplic
     profile, mem, largest = measured.profile, args.memory, measured.largest
     axes = profile.shape_axes
     p95 = " or ".join(shape_text(s, axes) for s in p95_request_shapes(
-        args, measured.engine_class.kinds))
+        args, measured.engine_class.kinds, measured.engine.max_seq_tokens))
     lines = [
         f"vramgate profile of application {name!r} in {config_path}",
         f"device:   {profile.device}",
@@ -121,7 +121,7 @@ def report(name: str, config_path: Path, args: AppArgs, measured: MeasuredReplic
         f"P95 request ({p95}): {bytes_text(plan.request_bytes)}",
         f"profiled in {profile.duration_s:.1f} s",
         "",
-        "measurements (MiB):",
+        "measurements:",
         profile.table(),
         "",
         *_cost_model_lines(measured),
@@ -147,7 +147,7 @@ def _cost_model_lines(measured: MeasuredReplica) -> list[str]:
     width = max(16, *(len(f) for f in model.features))
     lines += [f"  {f:<{width}} {c:>14.2f}  {units.get(f, f'bytes per unit of {f}')}"
               for f, c in zip(model.features, model.coefficients, strict=True)]
-    lines.append(f"  held-out fit error: {model.fit_error:.1%} (largest |fitted - measured| / "
+    lines.append(f"  held-out error: {model.held_out_error:.1%} (largest |fitted - measured| / "
                  "measured on shapes not used for the fit)")
     lines.append(f"analytic / measured: {low:.2f} .. {high:.2f}" if high > 0 else
                  "analytic / measured: none (the engine has no analytic estimate)")

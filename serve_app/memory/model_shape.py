@@ -189,6 +189,15 @@ def _first_int(config: dict[str, Any], keys: Sequence[str]) -> int | None:
     return None
 
 
+def max_positions_key(config: dict[str, Any]) -> str:
+    """The ``config.json`` key the model's context is read from
+    (:data:`CONFIG_KEYS` ``max_positions``: ``max_position_embeddings``, GPT-2's
+    ``n_positions``...), for messages; the first candidate when none is set."""
+    dims, _ = _language_model_config(config)
+    keys = CONFIG_KEYS["max_positions"]
+    return next((key for key in keys if dims.get(key) is not None), keys[0])
+
+
 def _language_model_config(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
     """The keys to read dimensions from, and where they came from: a multimodal wrapper's
     ``text_config`` (Gemma 3, LLaVA, Qwen2-VL: the language model's dimensions) over the

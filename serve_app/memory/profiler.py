@@ -115,8 +115,10 @@ class MemoryProfile:
     shape_axes: tuple[str, ...] = TOKEN_AXES
 
     @property
-    def fit_error(self) -> float:
-        return self.cost_model.fit_error
+    def held_out_error(self) -> float:
+        """The fit's largest relative error on the held-out shapes
+        (:attr:`~serve_app.memory.cost_model.FittedCostModel.held_out_error`)."""
+        return self.cost_model.held_out_error
 
     @property
     def drain_bytes_per_s(self) -> float | None:
@@ -174,21 +176,23 @@ class MemoryProfile:
                 "analytic_over_measured": [round(low, 2), round(high, 2)]}
 
     def table(self) -> str:
-        """A plain-text table of the measurements (MiB), for the CLI and the logs."""
-        widths = [max(5, len(axis)) for axis in self.shape_axes]
-        header = (" ".join(f"{axis:>{w}}" for axis, w in zip(self.shape_axes, widths,
-                                                            strict=True))
-                  + f" {'measured':>9} {'fitted':>9} {'error':>6} {'analytic':>9} "
-                  f"{'spread':>7} {'seconds':>8}  set")
-        rows = [header]
+        """A plain-text table of the measurements, for the CLI and the logs: per point its
+        shape (over :attr:`shape_axes`), the measured peak, the fitted and the analytic
+        prices and the spread of the repeats (MiB, as the column titles say), the fit's
+        relative error, the seconds one run took, and whether the point was fitted or held
+        out."""
+        titles = (*self.shape_axes, "measured MiB", "fitted MiB", "error", "analytic MiB",
+                  "spread MiB", "seconds")
+        widths = [max(6, len(title)) for title in titles]  # 6: "100.0%"
+        rows = [" ".join(f"{t:>{w}}" for t, w in zip(titles, widths, strict=True)) + "  set"]
         for p in self.points:
-            slots = (p.batch, p.prompt_tokens, p.new_tokens)
-            rows.append(
-                " ".join(f"{v:>{w}}" for v, w in zip(slots, widths, strict=True))
-                + f" {p.measured_bytes / 2**20:>9.1f} {p.predicted_bytes / 2**20:>9.1f} "
-                f"{relative_error(p.predicted_bytes, p.measured_bytes):>6.1%} "
-                f"{p.analytic_bytes / 2**20:>9.1f} {p.spread_bytes / 2**20:>7.1f} "
-                f"{p.seconds:>8.3f}  {'held-out' if p.held_out else 'fit'}")
+            values = (p.batch, p.prompt_tokens, p.new_tokens,
+                      f"{p.measured_bytes / 2**20:.1f}", f"{p.predicted_bytes / 2**20:.1f}",
+                      f"{relative_error(p.predicted_bytes, p.measured_bytes):.1%}",
+                      f"{p.analytic_bytes / 2**20:.1f}", f"{p.spread_bytes / 2**20:.1f}",
+                      f"{p.seconds:.3f}")
+            rows.append(" ".join(f"{v:>{w}}" for v, w in zip(values, widths, strict=True))
+                        + f"  {'held-out' if p.held_out else 'fit'}")
         return "\n".join(rows)
 
 

@@ -137,5 +137,5 @@ def test_status_shows_a_fitted_kv_cache_model(client):
     [replica] = client.get("/v1/status").json()["replicas"]
     assert replica["task"] == "generate"
     model = replica["profile"]["cost_model"]
-    assert model["kind"] == "fitted" and model["fit_error"] >= 0
+    assert model["kind"] == "fitted" and model["held_out_error"] >= 0
     assert replica["max_request_bytes"] <= replica["budget_bytes"]

@@ -4,6 +4,7 @@ Every error is one line on stderr and exit status 1 (tests/unit/test_cli_validat
 
 from __future__ import annotations
 
+import logging
 import re
 import subprocess
 import sys
@@ -41,6 +42,18 @@ def run_main(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str]:
 
 
 # --- argument handling (no model is loaded) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [[], ["validate"], ["plan"], ["profile"]])
+def test_help_is_plain_text(capsys: pytest.CaptureFixture, command: list[str]) -> None:
+    """A terminal shows no reStructuredText: the module docstring's ``code`` marks."""
+    with pytest.raises(SystemExit) as exited:
+        main([*command, "--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: vramgate") and "`" not in out
+    if not command:
+        assert "\npython -m serve_app (or vramgate): command-line tools for operators.\n" in out
 
 
 def test_a_missing_config_file_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -254,3 +267,34 @@ def test_running_out_of_memory_while_profiling_exits_1(
     assert "profiling ran out of device memory" in err
     assert "Lower limits.max_inputs" in err
     assert not (tmp_path / "p.json").exists()
+
+
+FAKE_PROFILE_ARGS = {
+    "model": {"task": "fake"}, "deployment": {"num_gpus": 0.5},
+    "fake": {"latency_per_token_s": 0},
+    "limits": {"max_inputs": 4, "max_input_tokens": 64, "max_tokens": 32}}
+TABLE_HEADER = ("inputs prompt_tokens new_tokens measured MiB fitted MiB  error analytic MiB "
+                "spread MiB seconds  set")
+
+
+def test_the_profile_table_says_its_units_and_is_printed_once(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    config = write_config(tmp_path, {"name": "fake", "import_path": OURS,
+                                     "args": FAKE_PROFILE_ARGS})
+    assert main(["profile", "--config", str(config), "--out", str(tmp_path / "p.json")]) == 0
+    out, err = capsys.readouterr()
+    assert out.count(TABLE_HEADER) == 1 and "measured" not in err  # the report only
+    rows = out.split(TABLE_HEADER + "\n")[1].split("\n\n")[0].splitlines()
+    assert len(rows) == len(MemoryProfile.load(tmp_path / "p.json").points)
+
+
+def test_a_replica_logs_the_profile_table_with_its_units(caplog: pytest.LogCaptureFixture) -> None:
+    from deployments.profiling import measure_replica
+
+    progress: list[str] = []
+    with caplog.at_level(logging.INFO, logger="ray.serve"):
+        measured = measure_replica(parse_args(FAKE_PROFILE_ARGS), on_progress=progress.append)
+    [logged] = [r.getMessage() for r in caplog.records if "memory profile" in r.getMessage()]
+    assert logged == "memory profile:\n" + measured.profile.table()
+    assert logged.splitlines()[1] == TABLE_HEADER
+    assert progress and not any("measured" in line for line in progress)

@@ -244,3 +244,103 @@ def test_a_key_given_twice_is_reported_where_it_is_with_the_files_other_problems
     assert (f"vramgate: {config}: application 'default': args.admission.max_queue_len: Input "
             "should be greater than or equal to 0") in lines
     assert len(lines) == 3, lines
+
+
+def test_plan_counts_the_gpus_of_the_fewest_initial_and_most_replicas(
+        capsys: pytest.CaptureFixture) -> None:
+    """configs/prod.yaml autoscales from 2 to 8 replicas of half a card: 1 GPU holds the
+    initial (and fewest) replicas, 4 the most; --gpus is checked against the most."""
+    config = REPO / "configs" / "prod.yaml"
+    status, out, _ = run_main(capsys, "plan", str(config))
+    assert status == 0
+    packing = out.splitlines()[out.splitlines().index(next(
+        line for line in out.splitlines() if line.startswith("  GPUs needed:"))):]
+    name = "all-MiniLM-L6-v2"
+    assert packing == [
+        "  GPUs needed:          1 at least (2 replicas), 1 initially (2), 4 at most (8)   "
+        "(each replica's num_gpus is a share of one card)",
+        *[f"    at most, GPU {i}: {name} (0.5), {name} (0.5)   (1 of 1)" for i in range(4)]]
+    assert main(["plan", "--gpus", "4", str(config)]) == 0
+    capsys.readouterr()
+    assert main(["plan", "--gpus", "2", str(config)]) == 1
+    refused = capsys.readouterr().err.strip()
+    assert refused == (
+        f"vramgate: {config}: application 'vramgate': at most (deployment.max_replicas) the "
+        "models' replicas need 4 GPUs (their num_gpus shares packed onto whole cards: "
+        "vramgate plan shows how), but the cluster has 2; left over: "
+        + ", ".join([f"{name} (0.5)"] * 4) + ". The app starts (its initial replicas fit) "
+        "but the autoscaler cannot add replicas past what fits. Add GPUs, lower "
+        "deployment.num_gpus or max_replicas, or set deployment.wait_for_gpus: true to wait "
+        "for GPU nodes to join")
+
+
+def test_limits_the_models_context_cannot_hold_are_warned_and_planned_capped(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """configs/generate.yaml (max_input_tokens 1024 + max_tokens 256, a P95 prompt of 512)
+    on a model of 512 positions: no request of 512 + 256 tokens can exist. validate still
+    passes it (the replicas refuse what does not fit), with a warning naming the keys and
+    the context; plan prices the largest P95 request that fits: 256 + 256."""
+    from serve_app.memory.cost_model import Shape
+    from serve_app.pricing import shape_bytes
+    from tests.support import build_tiny_causal_lm
+
+    model = build_tiny_causal_lm(tmp_path / "lm", max_positions=512)
+    capsys.readouterr()  # the progress bars of saving it
+    config = yaml.safe_load((REPO / "configs" / "generate.yaml").read_text())
+    config["applications"][0]["args"]["model"]["path"] = str(model)
+    path = tmp_path / "generate.yaml"
+    path.write_text(yaml.safe_dump(config))
+    where = f"{path}: application 'vramgate'"
+    warning = (f"vramgate: warning: {where}: limits.max_input_tokens (1024) + limits.max_tokens "
+               "(256) exceed the model's context of 512 tokens (max_position_embeddings in "
+               "its config.json): a prompt and its completion together hold at most 512 "
+               "tokens (more is refused with 400), so requests are planned within it (P95: "
+               "1 x 256 tokens + 256 new)")
+    status, out, err = run_main(capsys, "validate", str(path))
+    assert (status, err.splitlines()) == (0, [warning])
+    assert out == (f"{where}: ok (generate engine, model 'local-causal-lm', num_gpus 0 per "
+                   "replica)\n")
+
+    status, out, err = run_main(capsys, "plan", str(path))
+    assert (status, err.splitlines()) == (0, [warning])
+    args = parse_args(config["applications"][0]["args"])
+    engine = engine_class(args)
+    price = shape_bytes(engine.analytic_costs(args)[0], Shape(1, 256, 256))
+    assert f"\n  P95 request:          1 x 256 tokens + 256 new: {price} bytes (" in out
+    assert plan_deployment(args, engine).request_bytes == price
+
+
+def test_a_model_without_an_analytic_cost_model_is_planned_for_that_reason(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A Whisper directory that is there, on CPU: its config is read fine, but the transcribe
+    engine prices nothing before a replica has measured it. The plan says so, and leaves
+    Ray's cap to the replica's budget (admission.policy budget) instead of a guess of 32
+    requests at once, which a CPU budget of gigabytes would outgrow; a semaphore's permits
+    still set it."""
+    from serve_app.planning import MAX_ONGOING_REQUESTS_CAP
+    from tests.support import build_tiny_whisper
+
+    whisper = build_tiny_whisper(tmp_path / "whisper")
+    capsys.readouterr()
+    raw = {"model": {"engine": "transcribe", "path": str(whisper), "device": "cpu"},
+           "memory": {"capacity_bytes": 4 << 30}}
+    config = tmp_path / "speech.yaml"
+    config.write_text(yaml.safe_dump({"applications": [{"name": "speech", "import_path": OURS,
+                                                        "args": raw}]}))
+    status, out, err = run_main(capsys, "validate", str(config))
+    assert (status, err) == (0, "")
+    assert out == (f"{config}: application 'speech': ok (transcribe engine, model 'whisper', "
+                   "num_gpus 0 per replica, planned without a price: the transcribe engine "
+                   "has no analytic cost model, so each replica measures its own at "
+                   "start-up)\n")
+    args = parse_args(raw)
+    plan = plan_deployment(args, engine_class(args))
+    assert plan.how == ("no analytic cost model (the transcribe engine): each replica "
+                        "measures its requests' prices at start-up")
+    assert plan.max_ongoing_requests == MAX_ONGOING_REQUESTS_CAP
+    assert plan.ongoing_text(64) == (f"{MAX_ONGOING_REQUESTS_CAP} admitted (the replica's "
+                                     "budget, unknown here) + 64 queued "
+                                     "(admission.max_queue_len), capped at 1024")
+    semaphore = parse_args({**raw, "admission": {"policy": "semaphore",
+                                                 "semaphore_permits": 2}})
+    assert plan_deployment(semaphore, engine_class(semaphore)).max_ongoing_requests == 2 + 64

@@ -219,3 +219,24 @@ def test_the_simulated_device_reports_its_failed_allocation_like_cuda() -> None:
     device = SimulatedDevice(GIB := 1 << 30)
     error = device.out_of_memory(GIB + 300 * MiB)  # "1.29 GiB": 0.01 of the unit, as CUDA
     assert abs(failed_allocation_bytes(str(error)) - (GIB + 300 * MiB)) <= 0.005 * GIB
+
+
+# --- what is published and shown -----------------------------------------------------------
+
+
+def test_the_held_out_error_is_named_for_what_it_is_and_stays_json() -> None:
+    fitted = FittedCostModel(("const", "batch_tokens"), (float(MiB), 1024.0), 0.031)
+    shown = fitted.to_dict()
+    assert shown == {"kind": "fitted", "features": ["const", "batch_tokens"],
+                     "coefficients": [float(MiB), 1024.0], "held_out_error": 0.031}
+    assert FittedCostModel.from_dict(shown) == fitted
+    # Nothing held out: null, not NaN (which strict JSON, and so /v1/status, refuses).
+    unchecked = FittedCostModel(("const",), (1.0,))
+    assert json.loads(json.dumps(unchecked.to_dict(), allow_nan=False))["held_out_error"] is None
+    assert math.isnan(FittedCostModel.from_dict(unchecked.to_dict()).held_out_error)
+    # What an older replica publishes, or an older profile saved, still reads and prices
+    # alike (a rolling redeploy's router; memory.profile_path).
+    older = {**{k: v for k, v in shown.items() if k != "held_out_error"}, "fit_error": 0.031}
+    assert FittedCostModel.from_dict(older) == fitted
+    published = CorrectedCostModel.from_published({**older, "correction_factor": 1.5})
+    assert published.request_bytes(2, 8) == math.ceil(1.5 * (MiB + 1024 * 16))

@@ -1,10 +1,13 @@
 """The local Redis: only a unix socket, data kept across a stop and a start, a live server
 reused, a server that went away started again, one server for starts at the same time, a
-failed start named with its log file."""
+failed start named with its log file, a server whose owner died adopted."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import psutil
 import pytest
@@ -12,6 +15,8 @@ import redis
 
 from serve_app.jobs.embedded import EmbeddedRedis
 from tests.support import read_job, write_job
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_data_outlives_a_stop_and_a_start_in_the_same_directory(tmp_path) -> None:
@@ -151,3 +156,64 @@ def test_starts_at_the_same_time_run_one_server(tmp_path, starters: int) -> None
         finally:
             for server in servers:
                 server.stop()
+
+
+OWNER = """
+import sys, time
+from serve_app.jobs.embedded import EmbeddedRedis
+EmbeddedRedis(sys.argv[1]).start()
+print("started", flush=True)
+time.sleep(600)
+"""
+
+
+def _exited(process: psutil.Process) -> bool:
+    """Whether ``process`` (not this one's child) has exited: gone, or a zombie its parent
+    has not reaped yet (a container's init may never)."""
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _owner_process(data_dir) -> subprocess.Popen:
+    """Another process that starts the server on ``data_dir`` and keeps it (a JobBroker)."""
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(data_dir)], cwd=REPO,
+                             stdout=subprocess.PIPE, text=True)
+    assert owner.stdout.readline() == "started\n"
+    return owner
+
+
+def test_a_server_whose_owner_was_killed_is_adopted_and_stopped_with_its_adopter(
+        tmp_path) -> None:
+    """``ray stop --force`` or a SIGKILLed worker: the process that started the server dies
+    without stopping it. The next start on the directory takes it over, so that it stops
+    with the next app instead of running on for ever."""
+    owner = _owner_process(tmp_path)
+    owner.kill()  # no clean-up: SIGKILL
+    owner.wait()
+    [orphan] = _servers_in(str(tmp_path.resolve()))
+    write_job(f"unix://{tmp_path.resolve()}/redis.sock")
+    adopter = EmbeddedRedis(tmp_path).start()
+    try:
+        assert adopter.owned and adopter.ping()
+        assert read_job(adopter.url) == {b"status": b"queued"}  # the same server, kept
+    finally:
+        adopter.stop()
+    assert not adopter.ping()
+    assert _exited(orphan) and _servers_in(str(tmp_path.resolve())) == []
+    assert (tmp_path / "appendonly.aof").stat().st_size > 0
+
+
+def test_a_server_whose_owner_lives_is_reused_not_adopted(tmp_path) -> None:
+    owner = _owner_process(tmp_path)
+    try:
+        user = EmbeddedRedis(tmp_path).start()
+        assert not user.owned
+        user.stop()  # the owner's: left running
+        assert user.ping()
+    finally:
+        owner.kill()
+        owner.wait()
+        EmbeddedRedis(tmp_path).start().stop()  # adopted, then stopped: nothing left
+    assert _servers_in(str(tmp_path.resolve())) == []

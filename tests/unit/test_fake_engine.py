@@ -122,7 +122,7 @@ def test_the_profiler_fits_the_true_cost(engine: FakeEngine, device: SimulatedDe
                              ladder=engine.profile_ladder(Shape(8, 64, 32)), task="fake",
                              model_path="fake", held_bytes=WEIGHTS, on_progress=lambda _: None)
     assert profile.capacity_bytes == CAPACITY // 2
-    assert profile.fit_error < 1e-6
+    assert profile.held_out_error < 1e-6
     for point in profile.points:
         assert point.measured_bytes == engine.request_bytes(
             point.batch, point.prompt_tokens, point.new_tokens)

@@ -14,6 +14,7 @@ import pytest
 from deployments.engines.registry import engine_class
 from serve_app import planning
 from serve_app.config import AppArgs, parse_args
+from serve_app.kinds import context_problems
 from serve_app.memory.budget import InsufficientMemoryError
 from serve_app.memory.cost_model import (
     DTYPE_BYTES,
@@ -322,6 +323,30 @@ def test_a_p95_completion_asks_for_the_most_new_tokens_allowed() -> None:
     assert p95_request_shapes(args) == [(1, 128, 64)]
     fake = parse_args({"model": {"task": "fake"}, "limits": {"max_tokens": 64}})
     assert p95_request_shapes(fake) == [(8, 128, 0), (1, 128, 64)]
+
+
+def test_the_p95_request_fits_the_models_context_and_what_does_not_is_named() -> None:
+    fake = parse_args({"model": {"task": "fake"}, "fake": {"max_seq_tokens": 200},
+                       "limits": {"max_input_tokens": 256, "max_tokens": 150},
+                       "deployment": {"p95_input_tokens": 180}})
+    engine = engine_class(fake)
+    assert planning.model_context(fake, engine) == 200
+    # embeddings: at most the context; a completion: its 150 new tokens and the 50 left.
+    assert planning.p95_request_shapes(fake, engine.kinds, 200) == [(8, 180, 0), (1, 50, 150)]
+    assert context_problems(fake.limits, engine.kinds, engine.planned_context(fake)) == [
+        "limits.max_input_tokens (256) exceeds the model's context of 200 tokens "
+        "(fake.max_seq_tokens): an input holds at most 200 tokens (more is refused with "
+        "400, or cut with truncate)",
+        "limits.max_input_tokens (256) + limits.max_tokens (150) exceed the model's context "
+        "of 200 tokens (fake.max_seq_tokens): a prompt and its completion together hold at "
+        "most 200 tokens (more is refused with 400)"]
+    # The plan prices that request: a fake request costs 1 MiB per token of it.
+    assert plan_deployment(fake).request_bytes == 8 * 180 * MiB
+    longest = parse_args({"model": {"task": "fake"}, "fake": {"max_seq_tokens": 100},
+                          "limits": {"max_tokens": 256}})
+    assert planning.p95_request_shapes(longest, ("generate",), 100) == [(1, 1, 99)]
+    fits = parse_args({"model": {"task": "fake"}})
+    assert context_problems(fits.limits, ("embed", "generate"), (2048, "here")) == []
 
 
 def test_a_generation_profile_prices_prompt_and_new_tokens(tmp_path: Path) -> None:

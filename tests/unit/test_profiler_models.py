@@ -25,10 +25,10 @@ def tiny_lm(tmp_path_factory):
 
 def _check(args: dict) -> None:
     profile, max_request_bytes, budget_bytes = measure_in_fresh_process(args)
-    print(f"\n{args['model'].get('task', 'embed')}: fit error {profile.fit_error:.1%}, "
+    print(f"\n{args['model'].get('task', 'embed')}: fit error {profile.held_out_error:.1%}, "
           f"analytic/measured {profile.analytic_ratio_range}\n{profile.table()}")
     assert [p.held_out for p in profile.points].count(True) == 2
-    assert profile.fit_error <= CPU_FIT_ERROR_BOUND
+    assert profile.held_out_error <= CPU_FIT_ERROR_BOUND
     low, high = profile.analytic_ratio_range
     assert 1 / ANALYTIC_FACTOR_BOUND <= low <= high <= ANALYTIC_FACTOR_BOUND
     largest = max(profile.points, key=lambda p: p.measured_bytes)
@@ -53,6 +53,6 @@ def test_fake_engine_profile_is_exact_and_budgets_its_share() -> None:
     assert measured.probe.capacity_bytes() == 8 << 30
     assert measured.profile.held_bytes == 1 << 30
     assert measured.budget_bytes == int(((8 << 30) - (1 << 30)) * 0.9)
-    assert measured.profile.fit_error < 1e-6
+    assert measured.profile.held_out_error < 1e-6
     # bytes_per_token (1 MiB) x 4 x (64 + 32) tokens
     assert abs(measured.max_request_bytes - 4 * 96 * (1 << 20)) <= 1

@@ -40,7 +40,7 @@ ARGS = {"model": {"engine": ENGINE, "name": "toy", "device": "cpu"},
 @pytest.fixture(scope="module")
 def profile():
     profile, max_request_bytes, budget_bytes = measure_in_fresh_process(ARGS)
-    print(f"\ntoy: fit error {profile.fit_error:.1%}\n{profile.table()}\n{profile.cost_model}")
+    print(f"\ntoy: fit error {profile.held_out_error:.1%}\n{profile.table()}\n{profile.cost_model}")
     assert budget_bytes >= max_request_bytes
     return profile
 
@@ -62,7 +62,7 @@ def test_held_out_shapes_are_predicted_within_the_documented_bound(profile) -> N
     assert [(p.batch, p.prompt_tokens) for p in held] == [(2, 48), (6, 21)]
     for p in held:
         assert relative_error(p.predicted_bytes, p.measured_bytes) <= CPU_FIT_ERROR_BOUND
-    assert profile.fit_error <= CPU_FIT_ERROR_BOUND
+    assert profile.held_out_error <= CPU_FIT_ERROR_BOUND
 
 
 def test_the_fitted_pair_cost_is_the_pair_tensor_s(profile) -> None:
@@ -93,7 +93,7 @@ def test_requests_are_priced_along_the_engine_s_axis(profile) -> None:
 
 def test_an_unknown_feature_is_a_clear_error() -> None:
     raw = {"features": ["const", "nobody_registered_this"], "coefficients": [1.0, 2.0],
-           "fit_error": 0.1}
+           "held_out_error": 0.1}
     with pytest.raises(UnknownFeatureError, match="nobody_registered_this"):
         FittedCostModel.from_dict(raw)
     with pytest.raises(ValueError, match="already registered"):
@@ -141,4 +141,4 @@ def test_the_profile_command_shows_the_engine_s_axes_and_feature(tmp_path: Path)
                for line in lines)
     assert any(line.split()[:3] == ["texts", "words", "unused"] for line in lines)
     assert any(line.strip().startswith("toy_texts_word_pairs") for line in lines)
-    assert any(line.strip().startswith("held-out fit error:") for line in lines)
+    assert any(line.strip().startswith("held-out error:") for line in lines)

@@ -21,7 +21,7 @@ def profile(tmp_path_factory):
     args = {"model": {"engine": "transcribe", "path": str(path), "device": "cpu"},
             "limits": {"max_audio_s": 60}, "batching": {"max_batch_size": 4}}
     profile, max_request_bytes, budget_bytes = measure_in_fresh_process(args)
-    print(f"\ntranscribe: fit error {profile.fit_error:.1%}\n{profile.table()}\n"
+    print(f"\ntranscribe: fit error {profile.held_out_error:.1%}\n{profile.table()}\n"
           f"{profile.cost_model}")
     assert budget_bytes >= max_request_bytes
     return profile
@@ -40,7 +40,7 @@ def test_held_out_durations_are_predicted_within_the_documented_bound(profile) -
     assert [(p.batch, p.prompt_tokens) for p in held] == [(1, 300), (2, 1700), (1, 4500)]
     for p in held:
         assert relative_error(p.predicted_bytes, p.measured_bytes) <= CPU_FIT_ERROR_BOUND
-    assert profile.fit_error <= CPU_FIT_ERROR_BOUND
+    assert profile.held_out_error <= CPU_FIT_ERROR_BOUND
 
 
 def test_a_60_s_file_is_priced_above_a_5_s_one(profile) -> None:
