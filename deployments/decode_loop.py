@@ -192,17 +192,21 @@ class DecodeLoop:
             await self._wake.wait()
             self._wake.clear()
             self._waiting = deque(s for s in self._waiting if not s.cancelled)
-            step = self._start_step()
-            while step is not None:
-                try:
-                    delivered = await self._finish_step(step)
-                except Exception:  # a bug: the sequences of the step got it; go on
-                    logger.exception("decode loop: a step failed unexpectedly")
-                    delivered = []
-                # The next step goes to the thread before this one's texts, metrics and
-                # finished sequences are handled here: the device does not idle through them.
+            try:
                 step = self._start_step()
-                self._deliver(delivered)
+                while step is not None:
+                    delivered = await self._finish_step(step)
+                    # The next step goes to the thread before this one's texts, metrics and
+                    # finished sequences are handled here: the device does not idle through
+                    # them.
+                    step = self._start_step()
+                    try:
+                        self._deliver(delivered)
+                    except Exception:  # a bug: the step on the thread is still awaited
+                        logger.exception("decode loop: handing out a step failed")
+            except Exception:  # a bug: the sequences of the step got it; go on
+                logger.exception("decode loop: a step failed unexpectedly")
+                self._wake.set()
 
     def _start_step(self) -> _Step | None:
         """Hand the next step to the thread (sequences that left go out, waiting ones join),
