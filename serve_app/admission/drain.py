@@ -69,25 +69,30 @@ class DrainRateEstimator:
             self._busy.append((self._busy_since, now))
             self._busy_since = None
 
-    def busy_s(self) -> float:
-        """Seconds of the window in which the replica held any lease."""
+    def busy_s(self, until: float | None = None) -> float:
+        """Seconds of the window in which the replica held any lease, up to ``until`` (a
+        clock reading; ``None``: now)."""
         now = self._clock()
+        end_at = now if until is None else min(now, until)
         start = now - self._window_s
         while self._busy and self._busy[0][1] < start:
             self._busy.popleft()
         spans = [*self._busy, *(((self._busy_since, now),) if self._busy_since is not None
                                 else ())]
-        return sum(max(0.0, end - max(begin, start)) for begin, end in spans)
+        return sum(max(0.0, min(end, end_at) - max(begin, start)) for begin, end in spans)
 
     def busy_bytes_per_s(self) -> float | None:
         """Released bytes per second *of work* over the window: the bytes over the time the
         replica held leases, so an idle spell before a burst does not read as a slow drain
         (the plain windowed average would, and predictions made on it would refuse the
-        burst). The windowed average (:meth:`bytes_per_s`) while the busy time is under
-        ``MIN_BUSY_S`` (no busy time was reported); ``prior_bytes_per_s`` while nothing was
-        released in the window."""
+        burst). The busy time counts up to the last release only: work still running has
+        released none of its bytes yet, and counting its time would read a long request in
+        flight as a slow drain (measured: a 1.4 s completion read as 2.5 s of work, and the
+        three behind it were predicted 11.6 s instead of 6 s). The windowed average
+        (:meth:`bytes_per_s`) while the busy time is under ``MIN_BUSY_S`` (no busy time was
+        reported); ``prior_bytes_per_s`` while nothing was released in the window."""
         rate = self.bytes_per_s()
-        busy_s = self.busy_s()
+        busy_s = self.busy_s(until=self._events[-1][0] if self._events else None)
         if rate is None:
             return self.prior_bytes_per_s
         if busy_s < MIN_BUSY_S:

@@ -51,7 +51,7 @@ async def test_a_stream_queued_behind_three_hears_3_2_1_before_its_first_token(a
         positions, first_token_at = [], None
         async with http.stream("POST", "/v1/completions",
                                json={**BODY, "stream": True}) as response:
-            assert response.status_code == 200
+            assert response.status_code == 200, await response.aread()
             async for line in response.aiter_lines():
                 if match := re.fullmatch(r": queued position=(\d+)( eta_ms=\d+)?", line):
                     assert first_token_at is None

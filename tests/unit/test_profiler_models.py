@@ -37,7 +37,7 @@ def _check(args: dict) -> None:
 
 
 def test_minilm_profile_is_within_the_documented_error() -> None:
-    _check({"model": {"device": "cpu"}, "limits": {"max_inputs": 16, "max_input_tokens": 128}})
+    _check({"model": {"device": "cpu"}, "limits": {"max_inputs": 64, "max_input_tokens": 256}})
 
 
 def test_causal_lm_profile_is_within_the_documented_error(tiny_lm) -> None:

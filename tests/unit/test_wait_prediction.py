@@ -172,6 +172,25 @@ def test_an_idle_spell_does_not_read_as_a_slow_drain(make_queue, clock) -> None:
     queue.release(held.lease)
 
 
+def test_work_still_running_does_not_read_as_a_slow_drain(make_queue, clock) -> None:
+    # Requests run one at a time, 1 s each: the drain rate is 50 B/s however far the one now
+    # running has got (counting its time before it released anything read 50 B over 1.9 s,
+    # and the queue behind it was predicted nearly twice its wait; seen in the queue-position
+    # test after another module's app).
+    queue = make_queue(budget_bytes=60, max_queue_wait_s=10.0)
+    first = admitted(queue, 50)
+    second = queued(queue, 50)
+    clock.advance(1)
+    queue.release(first.lease)  # the second is admitted at once: the replica stays busy
+    clock.advance(0.9)
+    assert queue.drain.busy_bytes_per_s() == pytest.approx(50.0)
+    third = queue.submit(50, after_in_flight=True)
+    assert third.outcome is Outcome.QUEUED
+    assert third.predicted_wait_s == pytest.approx(1.0)  # 50 B in flight at 50 B/s, not 1.9 s
+    queue.cancel(third.waiter)
+    queue.release(second.lease)
+
+
 def test_the_margin_is_the_recent_errors_quantile() -> None:
     calibration = WaitCalibration(window=100, quantile=0.9)
     for error_s in range(MIN_ERRORS - 1):
