@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from deployments.engines.base import Engine
 from serve_app.admission.controller import AdmissionController
 from serve_app.admission.policy import AdmissionPolicy
 from serve_app.config import AdmissionConfig
@@ -61,7 +62,7 @@ class DeviceHealth:
     Use from the replica's event loop, except :meth:`recover_after_oom` (the thread).
     """
 
-    def __init__(self, engine, probe: DeviceProbe, gate: AdmissionController,
+    def __init__(self, engine: Engine, probe: DeviceProbe, gate: AdmissionController,
                  policy: AdmissionPolicy, cost_model: CorrectedCostModel,
                  admission: AdmissionConfig, metrics: ProcessMetrics) -> None:
         self._engine, self._probe, self._gate = engine, probe, gate
