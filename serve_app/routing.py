@@ -209,10 +209,6 @@ class BudgetRouterState:
             self._live.pop(stats.replica_id, None)
         return len(covered)
 
-    def pending_bytes(self, replica_id: str) -> int:
-        """Bytes reserved on ``replica_id`` that its last report does not show."""
-        return self.pending_by_replica().get(replica_id, 0)
-
     def pending_by_replica(self) -> dict[str, int]:
         """``{replica_id: reserved bytes}`` for every replica with a live reservation."""
         self._expire()

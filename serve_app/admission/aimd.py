@@ -71,13 +71,3 @@ class AimdBudget:
         self._last_change_at += steps * self.quiet_s
         return self.current_bytes
 
-    def seconds_to_regain(self, nbytes: int) -> float:
-        """Seconds until the budget is back to at least ``nbytes`` if no OOM occurs (0 if it
-        already is; ``inf`` above ``measured_bytes``)."""
-        if nbytes <= self.current_bytes:
-            return 0.0
-        if nbytes > self.measured_bytes:
-            return float("inf")
-        step_bytes = max(1, int(self.measured_bytes * self.increase_fraction))
-        steps = -(-(nbytes - self.current_bytes) // step_bytes)
-        return max(0.0, self._last_change_at + steps * self.quiet_s - self.clock())

@@ -19,9 +19,6 @@ class JobStatus(enum.StrEnum):
     CANCELLED = "cancelled"
 
 
-FINAL_STATUSES = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
-
-
 @dataclass(frozen=True)
 class JobView:
     """One job as stored, read atomically.
