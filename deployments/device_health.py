@@ -162,5 +162,7 @@ class DeviceHealth:
 
     def figures(self, running: int, total: int) -> DeviceFigures:
         """The device's part of the replica's state (the thread's job counts given)."""
-        return DeviceFigures(running, total, self.oom_count, self.device_fault,
-                             self._cost_model.factor, self._cost_model.corrections)
+        return DeviceFigures(inferences_running=running, inferences_total=total,
+                             oom_count=self.oom_count, device_fault=self.device_fault,
+                             cost_correction_factor=self._cost_model.factor,
+                             cost_corrections=self._cost_model.corrections)
