@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 
 @dataclass
@@ -28,6 +28,7 @@ class AimdBudget:
     """
 
     measured_bytes: int
+    _: KW_ONLY
     decrease_factor: float = 0.7
     increase_fraction: float = 0.1
     quiet_s: float = 10.0
