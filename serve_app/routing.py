@@ -25,7 +25,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from fractions import Fraction
 from typing import Any
 
@@ -63,6 +63,7 @@ class ReplicaStats:
     """
 
     replica_id: str
+    _: KW_ONLY
     node_id: str | None = None
     budget_bytes: int | None = None
     reserved_bytes: int | None = None
