@@ -39,7 +39,7 @@ from serve_app.request import GenerationOutput
 logger = logging.getLogger("ray.serve")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class _Sequence:
     """One admitted completion, from the FIFO to its last token."""
 
@@ -135,8 +135,9 @@ class DecodeLoop:
             InferenceTimeoutError: no token came for ``admission.inference_timeout_s``.
         """
         loop = asyncio.get_running_loop()
-        sequence = _Sequence(next(self._ids), ticket, on_text, on_joined, on_waiting,
-                             loop.create_future(), loop.create_future())
+        sequence = _Sequence(seq_id=next(self._ids), ticket=ticket, on_text=on_text,
+                             on_joined=on_joined, on_waiting=on_waiting,
+                             joined=loop.create_future(), result=loop.create_future())
         self._waiting.append(sequence)
         self._wake.set()
         admission = self._args.admission

@@ -19,7 +19,7 @@ class JobStatus(enum.StrEnum):
     CANCELLED = "cancelled"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class JobView:
     """One job as stored, read atomically.
 
