@@ -82,7 +82,7 @@ def percentile_ms(sorted_s: list[float], q: float) -> float:
     return 1000 * sorted_s[min(len(sorted_s) - 1, int(q * len(sorted_s)))]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Row:
     name: str
     batching: str
@@ -137,8 +137,9 @@ def bare_rows(threads: int, seconds: float, warmup_s: float) -> list[Row]:
             latencies.append(time.perf_counter() - now)
             i += 1
         elapsed = time.perf_counter() - started
-        rows.append(Row(bare_name(size), "-", "1 (in-process)", size,
-                        len(latencies), elapsed, latencies, served=False))
+        rows.append(Row(name=bare_name(size), batching="-", clients="1 (in-process)",
+                        inputs=size, ok=len(latencies), seconds=elapsed, latencies_s=latencies,
+                        served=False))
         _progress(f"bare batch {size}: {rows[-1].items_per_s:.1f} items/s")
     del engine
     return rows
@@ -235,7 +236,8 @@ def served_row(name: str, app_args: dict[str, Any], base_url: str, inputs: int, 
                                                    options.warmup, options.seconds))
     finally:
         serve.delete(APP_NAME)
-    row = Row(name, batching, str(clients), inputs, ok, options.seconds, latencies, non_200)
+    row = Row(name=name, batching=batching, clients=str(clients), inputs=inputs, ok=ok,
+              seconds=options.seconds, latencies_s=latencies, non_200=non_200)
     _progress(f"  {row.rps:.1f} req/s, {row.items_per_s:.1f} items/s, non-200: "
               f"{dict(non_200) or 0}")
     return row

@@ -46,6 +46,7 @@ from functools import partial
 from typing import Any
 
 from deployments.device_health import draining_error
+from deployments.engines.base import Engine
 from deployments.inference import InferenceThread
 from serve_app.admission.batching import BatchMember, form_batches
 from serve_app.admission.ticket import Ticket
@@ -85,7 +86,7 @@ class RequestBatcher:
         config: ``batching.*``.
     """
 
-    def __init__(self, inference: InferenceThread, engine: Any, pricer: Pricer,
+    def __init__(self, inference: InferenceThread, engine: Engine, pricer: Pricer,
                  config: BatchingConfig) -> None:
         self._inference, self._engine, self._pricer = inference, engine, pricer
         self._config = config
@@ -224,7 +225,7 @@ class RequestBatcher:
             pending.ticket.claim()
             # Time spent here is queue wait too: it counts towards admission.max_queue_wait_s
             # (InferenceThread.wait_started) and X-Queue-Wait-Ms.
-            pending.ticket.waited_s += time.monotonic() - pending.enqueued_s
+            pending.ticket.add_wait(time.monotonic() - pending.enqueued_s)
             inputs += pending.inputs
             taken.append(pending)
         kept.extend(self._waiting)

@@ -96,5 +96,8 @@ def _measure(args: AppArgs) -> Measurement:
     if (found := cache.get(key, device)) is not None:
         return found
     measured = measure_replica(args)
-    return cache.put(Measurement(key, identity, *device, measured.profile,
-                                 measured.max_request_bytes, time.time()))
+    device_name, card_bytes = device
+    return cache.put(Measurement(key=key, identity=identity, device_name=device_name,
+                                 card_bytes=card_bytes, profile=measured.profile,
+                                 max_request_bytes=measured.max_request_bytes,
+                                 measured_at=time.time()))

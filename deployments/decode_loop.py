@@ -29,7 +29,7 @@ from functools import partial
 from typing import Any
 
 from deployments.device_health import draining_error
-from deployments.engines.stepping import KV_BLOCK_TOKENS, SequenceStart, kv_blocks
+from deployments.engines.stepping import KV_BLOCK_TOKENS, DecodeStepper, SequenceStart, kv_blocks
 from deployments.inference import InferenceThread
 from serve_app.admission.ticket import Ticket
 from serve_app.config import AppArgs
@@ -39,7 +39,7 @@ from serve_app.request import GenerationOutput
 logger = logging.getLogger("ray.serve")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class _Sequence:
     """One admitted completion, from the FIFO to its last token."""
 
@@ -102,7 +102,7 @@ class DecodeLoop:
         budget_bytes: the replica's byte budget now (sizes the KV pool shown in status).
     """
 
-    def __init__(self, thread: InferenceThread, engine: Any, args: AppArgs,
+    def __init__(self, thread: InferenceThread, engine: DecodeStepper, args: AppArgs,
                  metrics: ProcessMetrics, budget_bytes: Callable[[], int]) -> None:
         self._thread, self._engine, self._args = thread, engine, args
         self._metrics, self._budget_bytes = metrics, budget_bytes
@@ -135,8 +135,9 @@ class DecodeLoop:
             InferenceTimeoutError: no token came for ``admission.inference_timeout_s``.
         """
         loop = asyncio.get_running_loop()
-        sequence = _Sequence(next(self._ids), ticket, on_text, on_joined, on_waiting,
-                             loop.create_future(), loop.create_future())
+        sequence = _Sequence(seq_id=next(self._ids), ticket=ticket, on_text=on_text,
+                             on_joined=on_joined, on_waiting=on_waiting,
+                             joined=loop.create_future(), result=loop.create_future())
         self._waiting.append(sequence)
         self._wake.set()
         admission = self._args.admission
@@ -291,9 +292,8 @@ class DecodeLoop:
             rows.append(sequence.kv_row)
             ticket = sequence.ticket
             ticket.claim()
-            ticket.handed_to_thread = True
-            ticket.waited_s += now - sequence.enqueued_s
-            ticket.batch = len(rows)
+            ticket.mark_handed_to_thread(len(rows))
+            ticket.add_wait(now - sequence.enqueued_s)
             self._thread.admitted(ticket, len(rows))
             sequence.joined_s = sequence.last_token_s = now
             sequence.joined.set_result(None)
@@ -332,10 +332,7 @@ class DecodeLoop:
         sequence.last_token_s = now
         if update.finish_reason is None:
             return
-        self._thread.log_finished(sequence.ticket, "ok", now - sequence.joined_s)
-        sequence.ticket.device_done(ran=True)
-        self._thread.total += 1
-        self._metrics.observe("inference_seconds", now - sequence.joined_s)
+        self._thread.completion_finished(sequence.ticket, now - sequence.joined_s)
         if not sequence.result.done():
             sequence.result.set_result(GenerationOutput(
                 "".join(sequence.pieces), update.finish_reason,

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from deployments.engines.base import Engine
 from serve_app.admission.controller import AdmissionController
 from serve_app.admission.policy import AdmissionPolicy
 from serve_app.config import AdmissionConfig
@@ -61,7 +62,7 @@ class DeviceHealth:
     Use from the replica's event loop, except :meth:`recover_after_oom` (the thread).
     """
 
-    def __init__(self, engine, probe: DeviceProbe, gate: AdmissionController,
+    def __init__(self, engine: Engine, probe: DeviceProbe, gate: AdmissionController,
                  policy: AdmissionPolicy, cost_model: CorrectedCostModel,
                  admission: AdmissionConfig, metrics: ProcessMetrics) -> None:
         self._engine, self._probe, self._gate = engine, probe, gate
@@ -161,5 +162,7 @@ class DeviceHealth:
 
     def figures(self, running: int, total: int) -> DeviceFigures:
         """The device's part of the replica's state (the thread's job counts given)."""
-        return DeviceFigures(running, total, self.oom_count, self.device_fault,
-                             self._cost_model.factor, self._cost_model.corrections)
+        return DeviceFigures(inferences_running=running, inferences_total=total,
+                             oom_count=self.oom_count, device_fault=self.device_fault,
+                             cost_correction_factor=self._cost_model.factor,
+                             cost_corrections=self._cost_model.corrections)

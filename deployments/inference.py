@@ -79,10 +79,23 @@ class InferenceThread:
                 ticket.device_done(ran=False)
             raise
         for ticket in tickets:
-            ticket.handed_to_thread, ticket.batch = True, len(tickets)
+            ticket.mark_handed_to_thread(len(tickets))
         self.running += 1
         future.add_done_callback(lambda done: self._finished(done, job, list(tickets)))
         return future, job
+
+    def mark_running(self, started_at: float) -> None:
+        """On the inference thread: a job started at ``started_at`` (monotonic) runs now."""
+        self.running_since = started_at
+
+    def completion_finished(self, ticket: Ticket, inference_s: float) -> None:
+        """A completion on continuous batching finished, ``inference_s`` after it joined:
+        logged, its lease given back (:meth:`Ticket.device_done`), counted once in
+        :attr:`total` however many steps it took, and timed."""
+        self.log_finished(ticket, "ok", inference_s)
+        ticket.device_done(ran=True)
+        self.total += 1
+        self._metrics.observe("inference_seconds", inference_s)
 
     def _finished(self, done: asyncio.Future, job: _Job, tickets: list[Ticket]) -> None:
         self.running -= 1
@@ -144,7 +157,7 @@ class InferenceThread:
             done, _ = await asyncio.wait({future, started}, timeout=limit_s,
                                          return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
-            job.abandoned = True
+            job.abandon()
             if job.started_at is None and count_gone:
                 for ticket in tickets:
                     self.client_gone(ticket.lease.nbytes, ticket.admission.request_id)
@@ -152,11 +165,11 @@ class InferenceThread:
         finally:
             started.cancel()
         if not done:
-            job.abandoned = True
+            job.abandon()
             raise self.queue_timeout(tickets)
         thread_wait_s = time.monotonic() - waited_from
         for ticket in tickets:
-            ticket.waited_s += thread_wait_s
+            ticket.add_wait(thread_wait_s)
             self.admitted(ticket, len(tickets))
         return thread_wait_s
 
@@ -307,10 +320,15 @@ class _Job:
         self.oom_needed_bytes = 0
         self.canary_ok: bool | None = None
 
+    def abandon(self) -> None:
+        """Its callers left: the thread skips it if it has not taken it up yet."""
+        self.abandoned = True
+
     def __call__(self) -> Any:  # on the inference thread
         if self.abandoned:
             return None
-        self.started_at = self._thread.running_since = time.monotonic()
+        self.started_at = time.monotonic()
+        self._thread.mark_running(self.started_at)
         if self._announce_start:  # a wake-up of the event loop: only for who waits on it
             self._loop.call_soon_threadsafe(self.started.set)
         probe = self._thread.probe

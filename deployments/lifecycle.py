@@ -26,6 +26,7 @@ from typing import Any
 from deployments.batching import RequestBatcher
 from deployments.decode_loop import DecodeLoop
 from deployments.device_health import DeviceHealth, draining_error
+from deployments.engines.base import Engine
 from deployments.inference import InferenceThread
 from deployments.request_log import RequestLog
 from serve_app.admission.controller import Admission, AdmissionController, OnQueued
@@ -68,7 +69,7 @@ class RequestLifecycle:
         request_id: the current request's id, for logs (Ray Serve's request context).
     """
 
-    def __init__(self, engine: Any, gate: AdmissionController, pricer: Pricer,
+    def __init__(self, engine: Engine, gate: AdmissionController, pricer: Pricer,
                  thread: InferenceThread, batcher: RequestBatcher | None,
                  health: DeviceHealth, args: AppArgs, metrics: ProcessMetrics,
                  log: RequestLog, replica_id: str = "local",

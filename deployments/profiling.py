@@ -26,7 +26,7 @@ from serve_app.memory.reuse import ExpectedProfile, device_kind_of, reuse_proble
 logger = logging.getLogger("ray.serve")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class MeasuredReplica:
     """A loaded engine and everything measured about its memory.
 
@@ -91,8 +91,10 @@ def measure_replica(args: AppArgs, on_progress: Callable[[str], None] = logger.i
         opened.probe.capacity_bytes(), opened.held_bytes, args.memory.reserve_bytes,
         args.memory.safety_factor, min_request_bytes=max_request_bytes if must_fit else 0,
         override_bytes=args.memory.budget_bytes)
-    return MeasuredReplica(opened.engine, cls, opened.probe, profile, profile.cost_model,
-                           largest, max_request_bytes, budget_bytes, reused)
+    return MeasuredReplica(engine=opened.engine, engine_class=cls, probe=opened.probe,
+                           profile=profile, cost_model=profile.cost_model, largest=largest,
+                           max_request_bytes=max_request_bytes, budget_bytes=budget_bytes,
+                           reused_profile=reused)
 
 
 def _profile(args: AppArgs, cls: type[Engine], opened: OpenedEngine, largest: Shape,

@@ -59,9 +59,6 @@ class ReplicaRegistry:
         """Store a model replica's latest state."""
         self._entries[state.replica_id] = (time.monotonic(), state)
 
-    async def withdraw(self, replica_id: str) -> None:
-        self._entries.pop(replica_id, None)
-
     async def snapshot(self) -> list[ReplicaState]:
         """Fresh states, sorted by replica id."""
         now = time.monotonic()

@@ -144,21 +144,30 @@ class Replica:
         """This replica's state now (``GET /v1/status``, routing and autoscaling stats)."""
         budget, queue, policy = self.gate.budget, self.gate.queue, self.policy
         gate = GateFigures(
-            budget.budget_bytes, budget.reserved_bytes, budget.peak_reserved_bytes,
-            budget.free_bytes, budget.active_leases, queue.queue_depth, queue.queued_bytes,
-            budget.charged_bytes_total, budget.released_bytes_total, queue.drain.bytes_per_s(),
-            self.thread_wait_s(), queue.drain.busy_bytes_per_s(), queue.calibration.margin_s())
+            capacity=budget.budget_bytes, reserved_bytes=budget.reserved_bytes,
+            peak_reserved_bytes=budget.peak_reserved_bytes, free_bytes=budget.free_bytes,
+            active_leases=budget.active_leases, queue_depth=queue.queue_depth,
+            queued_bytes=queue.queued_bytes, charged_bytes_total=budget.charged_bytes_total,
+            released_bytes_total=budget.released_bytes_total,
+            drain_bytes_per_s=queue.drain.bytes_per_s(), thread_wait_s=self.thread_wait_s(),
+            busy_drain_bytes_per_s=queue.drain.busy_bytes_per_s(),
+            wait_margin_s=queue.calibration.margin_s())
         identity, args = self.identity, self.args
         return ReplicaState(
-            identity.replica_id, identity.node_id, identity.gpu_ids,
-            args.deployment.num_gpus, args.model.name, args.model.engine_name,
-            tuple(self.engine.kinds), policy.name, policy.gate_units,
-            identity.memory or {}, self.cost_model.published(), gate,
-            self.health.figures(self.thread.running, self.thread.total), policy.budget_bytes,
-            policy.measured_budget_bytes, policy.shrink_count, policy.regrow_count,
-            time.time(), self.decode.figures() if self.decode is not None else None,
-            self.jobs_queued,
-            queue.refused_by_prediction(args.deployment.autoscaling_look_back_s))
+            replica_id=identity.replica_id, node_id=identity.node_id, gpu_ids=identity.gpu_ids,
+            num_gpus=args.deployment.num_gpus, model=args.model.name,
+            task=args.model.engine_name, kinds=tuple(self.engine.kinds), policy=policy.name,
+            gate_units=policy.gate_units, memory=identity.memory or {},
+            cost_model=self.cost_model.published(), gate=gate,
+            device=self.health.figures(self.thread.running, self.thread.total),
+            budget_bytes=policy.budget_bytes,
+            measured_budget_bytes=policy.measured_budget_bytes,
+            budget_shrink_count=policy.shrink_count, budget_regrow_count=policy.regrow_count,
+            updated_at=time.time(),
+            kv_cache=self.decode.figures() if self.decode is not None else None,
+            jobs_queued=self.jobs_queued,
+            refused_by_prediction=queue.refused_by_prediction(
+                args.deployment.autoscaling_look_back_s))
 
     def close(self) -> None:
         """Stop batching and the thread (replica shutdown)."""

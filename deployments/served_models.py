@@ -45,7 +45,7 @@ class ModelBinding:
     broker: DeploymentHandle | None = None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ModelFront:
     """One served model's parts in the ingress.
 
@@ -100,7 +100,8 @@ async def open_model_front(binding: ModelBinding, registry: DeploymentHandle,
     context = RouteContext(args, RequestFactory(args, front_end), client, guard, jobs, served)
     routes.update({route.path: route(context) for route in ROUTES
                    if route.kind in engine.kinds})
-    front = ModelFront(args, engine, front_end, replicas, client, routes, jobs)
+    front = ModelFront(args=args, engine=engine, front_end=front_end, replicas=replicas,
+                       client=client, routes=routes, jobs=jobs)
     served.add(front)
     return front
 

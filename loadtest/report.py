@@ -50,7 +50,7 @@ from loadtest.scenarios import BASELINES, SHAPES, SPIKE_MULTIPLE, Baseline
 UNBOUNDED_ONGOING = 1000  # max_ongoing_requests of the diagnostic spike run: above any queue
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Workload:
     """One engine's side-by-side comparison.
 
@@ -94,12 +94,15 @@ FAKE_CARD = "loadtest/configs/fake_small_card.yaml"
 # The goals are issue 15's done-when: on the fake card the budget at least 1.5x semaphore(1)'s
 # throughput on the mixed run (1.19x with pass batching) and 3x on completions and chat only.
 WORKLOADS: tuple[Workload, ...] = (
-    Workload("fake", "fake engine on a simulated 6 GiB card", FAKE_CARD, "mixed", 150, 0.1,
-             45.0, True, goal=1.5),
-    Workload("fake", "fake engine on a simulated 6 GiB card: completions and chat only",
-             FAKE_CARD, "chat", 150, 0.1, 45.0, False, name="fake-chat", goal=3.0),
-    Workload("minilm", "all-MiniLM-L6-v2 on CPU (1 thread)", "loadtest/configs/minilm_cpu.yaml",
-             "mixed_embed", 160, 0.1, 45.0, False),
+    Workload(engine="fake", title="fake engine on a simulated 6 GiB card", config=FAKE_CARD,
+             mix="mixed", users=150, pace_rps=0.1, steady_s=45.0, spike=True, goal=1.5),
+    Workload(engine="fake",
+             title="fake engine on a simulated 6 GiB card: completions and chat only",
+             config=FAKE_CARD, mix="chat", users=150, pace_rps=0.1, steady_s=45.0, spike=False,
+             name="fake-chat", goal=3.0),
+    Workload(engine="minilm", title="all-MiniLM-L6-v2 on CPU (1 thread)",
+             config="loadtest/configs/minilm_cpu.yaml", mix="mixed_embed", users=160,
+             pace_rps=0.1, steady_s=45.0, spike=False),
 )
 # --quick: short runs, so users send every 2 s (the same offered load from fewer users)
 QUICK_STEADY_S, QUICK_SPIKE_S, QUICK_PACE_RPS = 10.0, 15.0, 0.5
@@ -215,9 +218,10 @@ def _run_workload(workload: Workload, base_url: str, results: Path, out: Path,
 def _spec(workload: Workload, baseline: Baseline, shape: str, users: int,
           seconds: float) -> RunSpec:
     name = baseline.name.split("(")[0]
-    return RunSpec(f"{workload.key}-{shape}-{name}", workload.engine, workload.config,
-                   baseline, workload.mix, shape, users, workload.pace_rps,
-                   seconds if seconds != SHAPES[shape].duration_s else 0.0,
+    return RunSpec(label=f"{workload.key}-{shape}-{name}", engine=workload.engine,
+                   config=workload.config, baseline=baseline, mix=workload.mix, shape=shape,
+                   base_users=users, pace_rps=workload.pace_rps,
+                   shape_seconds=seconds if seconds != SHAPES[shape].duration_s else 0.0,
                    profile_path=saved_profile(workload.config))
 
 

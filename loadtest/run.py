@@ -34,16 +34,19 @@ from loadtest.scenarios import BASELINES, MIXES, SHAPES
 def _one(options: argparse.Namespace) -> None:
     baseline = next(b for b in BASELINES if b.name.split("(")[0] == options.baseline)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    spec = RunSpec(f"{stamp}-{options.baseline}-{options.mix}-{options.shape}", "custom",
-                   options.config, baseline, options.mix, options.shape, options.base_users,
-                   options.pace_rps, options.seconds, options.seed, options.max_ongoing,
-                   saved_profile(options.config))
+    spec = RunSpec(label=f"{stamp}-{options.baseline}-{options.mix}-{options.shape}",
+                   engine="custom", config=options.config, baseline=baseline, mix=options.mix,
+                   shape=options.shape, base_users=options.base_users,
+                   pace_rps=options.pace_rps, shape_seconds=options.seconds, seed=options.seed,
+                   max_ongoing_requests=options.max_ongoing,
+                   profile_path=saved_profile(options.config))
     results = Path(options.out or RESULTS)
     base_url = start_serve()
     try:
         if baseline.slot_count and spec.max_ongoing_requests is None:
-            budget_spec = RunSpec(spec.label, spec.engine, spec.config, BASELINES[0],
-                                  spec.mix, spec.shape, 1, 1.0, profile_path=spec.profile_path)
+            budget_spec = RunSpec(label=spec.label, engine=spec.engine, config=spec.config,
+                                  baseline=BASELINES[0], mix=spec.mix, shape=spec.shape,
+                                  base_users=1, pace_rps=1.0, profile_path=spec.profile_path)
             statuses = deploy(budget_spec.args(), base_url)
             undeploy()
             slots = slots_for(budget_spec.args(), statuses, spec.mix)

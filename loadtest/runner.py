@@ -44,7 +44,7 @@ LOCUST_GRACE_S = 60.0  # locust's start-up and shutdown on top of the shape's du
 STOP_TIMEOUT_S = 30
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunSpec:
     """One run: a config with a baseline's overrides, under a mix and shape of users.
 

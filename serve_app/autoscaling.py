@@ -68,7 +68,7 @@ STATE_IDLE_SINCE_KEY = "vramgate_idle_since_s"
 _EPS = 1e-6
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ReplicaLoad:
     """What one replica reported (each figure aggregated over Ray's look-back window).
 
@@ -126,7 +126,7 @@ class ScalingState:
                    _float_or_none(raw.get(STATE_IDLE_SINCE_KEY)))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AutoscalingSnapshot:
     """Everything :func:`decide` looks at.
 

@@ -105,25 +105,3 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: CompletionUsage
 
-
-class ChunkDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChunkChoice(BaseModel):
-    index: int
-    delta: ChunkDelta
-    logprobs: None
-    finish_reason: Literal["stop", "length", "cancelled"] | None
-
-
-class ChatCompletionChunk(BaseModel):
-    """One server-sent event of a streamed chat completion."""
-
-    id: str
-    object: Literal["chat.completion.chunk"]
-    created: int
-    model: str
-    choices: list[ChunkChoice]
-    usage: CompletionUsage | None = None

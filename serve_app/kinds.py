@@ -265,8 +265,8 @@ class TranscribeKind(RequestKind):
         self.check_inputs(1, params, args.limits)
         self.check_tokens([len(prompt_ids)], params, max_seq_tokens, max_seq_tokens)
         shape = Shape(1, audio_frames(len(params.audio)), 0)
-        return InferenceRequest(self.name, (tuple(prompt_ids),), shape, params, False,
-                                self.batch_key(1, params, False, args.batching))
+        return InferenceRequest(self.name, (tuple(prompt_ids),), shape, params, stream=False,
+                                batch_key=self.batch_key(1, params, False, args.batching))
 
 
 KINDS: dict[str, RequestKind] = {kind.name: kind
@@ -326,4 +326,4 @@ def build_request(kind: str, input_ids: Sequence[Sequence[int]],
     shape = Shape(len(counts), priced_tokens(counts, batchable, pad, max_input_tokens),
                   priced_tokens([new], batchable, pad, limits.max_tokens) if new else 0)
     return InferenceRequest(kind, tuple(tuple(ids) for ids in input_ids), shape, params,
-                            stream, key)
+                            stream=stream, batch_key=key)

@@ -70,7 +70,7 @@ def measurement_key(identity: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Measurement:
     """One measurement of a model with one replica's resources.
 
@@ -118,9 +118,11 @@ class Measurement:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], profile_path: str = "") -> Measurement:
-        return cls(raw["key"], raw["identity"], raw["device_name"], int(raw["card_bytes"]),
-                   MemoryProfile.from_dict(raw["profile"]), int(raw["max_request_bytes"]),
-                   float(raw["measured_at"]), reused=True, profile_path=profile_path)
+        return cls(key=raw["key"], identity=raw["identity"], device_name=raw["device_name"],
+                   card_bytes=int(raw["card_bytes"]),
+                   profile=MemoryProfile.from_dict(raw["profile"]),
+                   max_request_bytes=int(raw["max_request_bytes"]),
+                   measured_at=float(raw["measured_at"]), reused=True, profile_path=profile_path)
 
 
 class MeasurementCache:

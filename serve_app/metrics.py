@@ -153,7 +153,6 @@ SPECS: tuple[MetricSpec, ...] = (
                "outcome replayed (stored response) or coalesced (joined a running one).",
                ("outcome",)),
 )
-SPECS_BY_NAME = {spec.name: spec for spec in SPECS}
 #: The model replica's event counters, exported at 0 from its start.
 REPLICA_EVENT_COUNTERS = ("ooms", "budget_shrinks", "budget_regrowths", "device_faults",
                           "generated_tokens")

@@ -91,7 +91,7 @@ def planned_host_capacity(args: AppArgs) -> tuple[int, str]:
             "memory.host_fraction x available RAM")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DeploymentPlan:
     """Ray Serve options of the model deployment, and the figures they came from.
 

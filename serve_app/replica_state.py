@@ -40,7 +40,7 @@ AUTOSCALING_KEYS = (AUTOSCALING_QUEUE_DEPTH_KEY, AUTOSCALING_QUEUED_BYTES_KEY,
                     AUTOSCALING_REFUSED_KEY)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GateFigures:
     """The admission gate now, in the policy's units (bytes under ``budget``).
 
@@ -76,7 +76,7 @@ class GateFigures:
     wait_margin_s: float = 0.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DeviceFigures:
     """The replica's inference thread and device health.
 
@@ -97,7 +97,7 @@ class DeviceFigures:
     cost_corrections: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ReplicaState:
     """One model replica's published state.
 

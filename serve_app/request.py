@@ -11,7 +11,7 @@ Pure: numpy only (no Ray, torch or FastAPI).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import KW_ONLY, dataclass, replace
 
 import numpy as np
 
@@ -117,6 +117,7 @@ class InferenceRequest:
     input_ids: tuple[tuple[int, ...], ...]
     shape: Shape
     params: RequestParams = None
+    _: KW_ONLY
     stream: bool = False
     batch_key: tuple | None = None
     estimated_bytes: int | None = None

@@ -25,7 +25,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from fractions import Fraction
 from typing import Any
 
@@ -63,6 +63,7 @@ class ReplicaStats:
     """
 
     replica_id: str
+    _: KW_ONLY
     node_id: str | None = None
     budget_bytes: int | None = None
     reserved_bytes: int | None = None
@@ -208,10 +209,6 @@ class BudgetRouterState:
         if not on_replica:
             self._live.pop(stats.replica_id, None)
         return len(covered)
-
-    def pending_bytes(self, replica_id: str) -> int:
-        """Bytes reserved on ``replica_id`` that its last report does not show."""
-        return self.pending_by_replica().get(replica_id, 0)
 
     def pending_by_replica(self) -> dict[str, int]:
         """``{replica_id: reserved bytes}`` for every replica with a live reservation."""

@@ -49,7 +49,8 @@ def ingress_app(args: AppArgs, replicas: Any = None, factory: Any = None,
     ingress._models = ServedModels()
     context = RouteContext(args, factory, client, guard, None, ingress._models)
     routes = {R.path: R(context) for R in ROUTES if R.kind in engine.kinds}
-    ingress._models.add(ModelFront(args, engine, None, replicas, client, routes, None))
+    ingress._models.add(ModelFront(args=args, engine=engine, front_end=None, replicas=replicas,
+                                   client=client, routes=routes, jobs=None))
     ingress._args, ingress._jobs, ingress._model_args = args, None, [args]
     ingress._opening = Opening()  # its one model is open already
     ingress._metrics = metrics

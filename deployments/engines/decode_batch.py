@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 import torch
 from transformers import DynamicCache, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
@@ -45,6 +45,7 @@ class _Row:
     start: SequenceStart
     stop: StopStrings
     streamer: object  # generation._Streamer: the token -> text decoder of the lone path
+    _: KW_ONLY
     pieces: list[str] = field(default_factory=list)
     generator: torch.Generator | None = None
     tokens: int = 0
@@ -160,7 +161,7 @@ class DenseDecodeBatch:
     def _new_row(self, start: SequenceStart) -> _Row:
         params = start.params
         stop, pieces = StopStrings(params.stop), []
-        row = _Row(start, stop, self._engine.text_streamer(stop, pieces.append), pieces,
+        row = _Row(start, stop, self._engine.text_streamer(stop, pieces.append), pieces=pieces,
                    cached=len(start.ids))
         if params.temperature > 0 and params.seed is not None:
             row.generator = torch.Generator(device=self._engine.device)

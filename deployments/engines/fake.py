@@ -20,7 +20,7 @@ import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 import numpy as np
 
@@ -93,6 +93,7 @@ class FakeEngine(FakeDecodeSteps, EmbeddingRunner, GenerationRunner, Engine):
     """
 
     device: SimulatedDevice
+    _: KW_ONLY
     weights_bytes: int
     bytes_per_token: int
     bytes_per_request: int = 0
@@ -201,9 +202,11 @@ class FakeEngine(FakeDecodeSteps, EmbeddingRunner, GenerationRunner, Engine):
     @classmethod
     def from_config(cls, device: SimulatedDevice, fake: FakeConfig) -> FakeEngine:
         """The engine of the ``fake.*`` knobs on ``device``."""
-        return cls(device, fake.weights_bytes, fake.bytes_per_token, fake.bytes_per_request,
-                   fake.latency_per_token_s, fake.dimensions, fake.max_seq_tokens,
-                   oom_probability=fake.oom_probability,
+        return cls(device, weights_bytes=fake.weights_bytes,
+                   bytes_per_token=fake.bytes_per_token,
+                   bytes_per_request=fake.bytes_per_request,
+                   latency_per_token_s=fake.latency_per_token_s, dimensions=fake.dimensions,
+                   max_seq_tokens=fake.max_seq_tokens, oom_probability=fake.oom_probability,
                    cuda_error_probability=fake.cuda_error_probability,
                    hang_probability=fake.hang_probability, hang_s=fake.hang_s,
                    nan_after_oom=fake.nan_after_oom, fault_seed=fake.fault_seed,

@@ -35,7 +35,7 @@ class UnsupportedLayout(ValueError):
     """The directory's sentence-transformers pipeline is not one this engine serves."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EmbeddingLayout:
     """A model directory's embedding pipeline.
 

@@ -38,7 +38,7 @@ MiB, GiB = 1 << 20, 1 << 30
 ADMISSION = {"max_queue_len": 512, "max_queue_wait_s": 300, "inference_timeout_s": 300}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineSpec:
     """One engine the check loads and drives.
 
@@ -82,20 +82,23 @@ def cpu_plan(quick: bool) -> list[EngineSpec]:
                        "latency_per_token_s": 1e-5, "latency_per_pass_s": 0.001,
                        "max_seq_tokens": 512},
                  batching={"max_batch_size": 16})
-    plan = [EngineSpec("fake", fake, None, "simulated", EXACT_ERROR_BOUND,
-                       burst=32 if quick else 64, held_out=3 if quick else 6, oom=True,
-                       kinds=("embed", "generate"),
+    plan = [EngineSpec(name="fake", raw_args=fake, model=None, meter="simulated",
+                       fit_bound=EXACT_ERROR_BOUND, burst=32 if quick else 64,
+                       held_out=3 if quick else 6, oom=True, kinds=("embed", "generate"),
                        throughput=("embed", 64 if quick else 256, Shape(1, 32, 0))),
-            EngineSpec("generate", _args({"task": "generate", "path": "{model}",
-                                          "device": "cpu"},
-                                         {"max_input_tokens": 64, "max_tokens": 16}),
-                       ("causal", "tiny"), "host", None, burst=6 if quick else 12,
+            EngineSpec(name="generate",
+                       raw_args=_args({"task": "generate", "path": "{model}", "device": "cpu"},
+                                      {"max_input_tokens": 64, "max_tokens": 16}),
+                       model=("causal", "tiny"), meter="host", fit_bound=None,
+                       burst=6 if quick else 12,
                        throughput=("generate", 8 if quick else 16, Shape(1, 16, 8)))]
     if not quick:  # sentence-transformers alone takes ~10 s to import on 2 cores
-        plan.append(EngineSpec("embed", _args({"task": "embed", "path": "{model}",
+        plan.append(EngineSpec(name="embed",
+                               raw_args=_args({"task": "embed", "path": "{model}",
                                                "device": "cpu"},
                                               {"max_inputs": 8, "max_input_tokens": 64}),
-                               ("bert", "tiny"), "host", None, burst=12, kinds=("embed",)))
+                               model=("bert", "tiny"), meter="host", fit_bound=None, burst=12,
+                               kinds=("embed",)))
     return plan
 
 
@@ -106,18 +109,22 @@ def cuda_plan(quick: bool) -> list[EngineSpec]:
     gpu = {"device": "cuda", "dtype": "float16"}
     half = {"num_gpus": 0.5}
     return [
-        EngineSpec("generate", _args({"task": "generate", "path": "{model}", **gpu},
-                                     {"max_input_tokens": 512 if quick else 1024,
-                                      "max_tokens": 64 if quick else 128},
-                                     deployment=half),
-                   ("causal", "small" if quick else "1b"), "cuda", GPU_FIT_ERROR_BOUND,
+        EngineSpec(name="generate",
+                   raw_args=_args({"task": "generate", "path": "{model}", **gpu},
+                                  {"max_input_tokens": 512 if quick else 1024,
+                                   "max_tokens": 64 if quick else 128},
+                                  deployment=half),
+                   model=("causal", "small" if quick else "1b"), meter="cuda",
+                   fit_bound=GPU_FIT_ERROR_BOUND,
                    burst=24 if quick else 48, held_out=2 if quick else 4, oom=True,
                    throughput=("generate", 32 if quick else 64,
                                Shape(1, 64, 32) if quick else Shape(1, 128, 64))),
-        EngineSpec("embed", _args({"task": "embed", "path": "{model}", **gpu},
+        EngineSpec(name="embed",
+                   raw_args=_args({"task": "embed", "path": "{model}", **gpu},
                                   {"max_inputs": 32, "max_input_tokens": 512},
                                   deployment=half, batching={"max_batch_size": 64}),
-                   ("bert", "base" if quick else "large"), "cuda", GPU_FIT_ERROR_BOUND,
+                   model=("bert", "base" if quick else "large"), meter="cuda",
+                   fit_bound=GPU_FIT_ERROR_BOUND,
                    burst=24 if quick else 48, held_out=2 if quick else 4, kinds=("embed",),
                    throughput=("embed", 256 if quick else 512,
                                Shape(1, 128, 0) if quick else Shape(1, 256, 0))),

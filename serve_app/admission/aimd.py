@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 
 @dataclass
@@ -28,6 +28,7 @@ class AimdBudget:
     """
 
     measured_bytes: int
+    _: KW_ONLY
     decrease_factor: float = 0.7
     increase_fraction: float = 0.1
     quiet_s: float = 10.0
@@ -71,13 +72,3 @@ class AimdBudget:
         self._last_change_at += steps * self.quiet_s
         return self.current_bytes
 
-    def seconds_to_regain(self, nbytes: int) -> float:
-        """Seconds until the budget is back to at least ``nbytes`` if no OOM occurs (0 if it
-        already is; ``inf`` above ``measured_bytes``)."""
-        if nbytes <= self.current_bytes:
-            return 0.0
-        if nbytes > self.measured_bytes:
-            return float("inf")
-        step_bytes = max(1, int(self.measured_bytes * self.increase_fraction))
-        steps = -(-(nbytes - self.current_bytes) // step_bytes)
-        return max(0.0, self._last_change_at + steps * self.quiet_s - self.clock())

@@ -73,8 +73,8 @@ class AdmissionController:
         self._futures: dict[int, asyncio.Future[Lease]] = {}
         self._watchers: dict[int, tuple[OnQueued, list[int]]] = {}
         self.queue = AdmissionQueue(
-            MemoryBudget(budget_bytes), max_queue_len, max_queue_wait_s, clock,
-            DrainRateEstimator(drain_window_s, clock, prior_drain_bytes_per_s),
+            MemoryBudget(budget_bytes), max_queue_len, max_queue_wait_s, clock=clock,
+            drain=DrainRateEstimator(drain_window_s, clock, prior_drain_bytes_per_s),
             on_admit=self._wake,
             on_change=self._moved, thread_wait_s=thread_wait_s,
             refuse_predicted=refuse_predicted)

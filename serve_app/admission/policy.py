@@ -121,9 +121,10 @@ class BudgetPolicy(AdmissionPolicy):
     def __init__(self, admission: AdmissionConfig, budget_bytes: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(admission, budget_bytes, clock)
-        self.aimd = AimdBudget(budget_bytes, admission.oom_decrease_factor,
-                               admission.oom_regrow_fraction, admission.oom_quiet_s,
-                               admission.oom_floor_fraction, clock)
+        self.aimd = AimdBudget(budget_bytes, decrease_factor=admission.oom_decrease_factor,
+                               increase_fraction=admission.oom_regrow_fraction,
+                               quiet_s=admission.oom_quiet_s,
+                               floor_fraction=admission.oom_floor_fraction, clock=clock)
 
     @property
     def capacity_units(self) -> int:

@@ -26,7 +26,7 @@ import itertools
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 from serve_app.admission.budget import Lease, MemoryBudget
 from serve_app.admission.calibration import WaitCalibration
@@ -54,7 +54,7 @@ class Reason(enum.StrEnum):
     OOM = "oom"  # fits the measured budget, not the budget shrunk after an OOM
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class Waiter:
     """A request waiting for its lease. ``lease`` is set when it is admitted."""
 
@@ -81,6 +81,7 @@ class Decision:
 
     outcome: Outcome
     nbytes: int
+    _: KW_ONLY
     lease: Lease | None = None
     waiter: Waiter | None = None
     reason: Reason | None = None
@@ -113,6 +114,7 @@ class AdmissionQueue:
     budget: MemoryBudget
     max_queue_len: int
     max_queue_wait_s: float
+    _: KW_ONLY
     clock: Callable[[], float] = time.monotonic
     drain: DrainRateEstimator | None = None
     on_admit: Callable[[Waiter], None] | None = None
@@ -183,8 +185,9 @@ class AdmissionQueue:
                             retry_after_s=self._retry_after_s(needed),
                             queue_position=len(self._waiters))
         now = self.clock()
-        waiter = Waiter(next(self._ids), nbytes, now, now + left_s,
-                        position=len(self._waiters), predicted_wait_s=predicted_s)
+        waiter = Waiter(waiter_id=next(self._ids), nbytes=nbytes, enqueued_at=now,
+                        deadline=now + left_s, position=len(self._waiters),
+                        predicted_wait_s=predicted_s)
         self._waiters[waiter.waiter_id] = waiter
         self._queued_bytes += nbytes
         return Decision(Outcome.QUEUED, nbytes, waiter=waiter, queue_position=waiter.position,

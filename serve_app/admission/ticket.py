@@ -28,42 +28,70 @@ from serve_app.request import InferenceRequest
 
 @dataclass(eq=False)
 class Ticket:
-    """One admitted request and the lease it holds.
+    """One admitted request and the lease it holds. What happens to it is told through its
+    methods (the device claims it, waited, took it up, is done; the caller is done); its
+    figures are read-only.
 
     Attributes:
         request: the request.
         admission: its lease, queue wait and position.
         release: gives the lease back: ``release(ticket, ran=...)`` (``ran``: the device used
             it); called exactly once.
-        waited_s: queue wait after the lease (for a pass, then for the thread), seconds.
-        handed_to_thread: the inference thread was given work using this lease.
-        batch: requests in the pass it ran in (1: alone).
-        ran: the device ran that work (known once the device is done).
     """
 
     request: InferenceRequest
     admission: Admission
     release: Callable[..., None] = field(repr=False)
-    waited_s: float = 0.0
-    handed_to_thread: bool = False
-    batch: int = 1
-    ran: bool = False
-    _claimed: bool = field(default=False, repr=False)
-    _released: bool = field(default=False, repr=False)
+    _waited_s: float = field(default=0.0, init=False)
+    _handed_to_thread: bool = field(default=False, init=False)
+    _batch: int = field(default=1, init=False)
+    _ran: bool = field(default=False, init=False)
+    _claimed: bool = field(default=False, init=False, repr=False)
+    _released: bool = field(default=False, init=False, repr=False)
 
     @property
     def lease(self) -> Lease:
         return self.admission.lease
 
     @property
+    def waited_s(self) -> float:
+        """Queue wait after the lease (for a pass, then for the thread), seconds."""
+        return self._waited_s
+
+    @property
     def queue_wait_s(self) -> float:
         """Every second waited so far: for the lease, then for a pass and the thread."""
-        return self.admission.queue_wait_s + self.waited_s
+        return self.admission.queue_wait_s + self._waited_s
+
+    @property
+    def handed_to_thread(self) -> bool:
+        """The inference thread was given work using this lease."""
+        return self._handed_to_thread
+
+    @property
+    def batch(self) -> int:
+        """Requests in the pass it ran in (1: alone)."""
+        return self._batch
+
+    @property
+    def ran(self) -> bool:
+        """The device ran that work (known once the device is done)."""
+        return self._ran
 
     @property
     def released(self) -> bool:
         """The lease went back: the device must not take this request up any more."""
         return self._released
+
+    def add_wait(self, seconds: float) -> None:
+        """It waited ``seconds`` more after its lease (for a pass, then for the thread):
+        queue wait too."""
+        self._waited_s += seconds
+
+    def mark_handed_to_thread(self, batch: int) -> None:
+        """The inference thread was given work using this lease: a pass (or a decode step)
+        of ``batch`` requests."""
+        self._handed_to_thread, self._batch = True, batch
 
     def claim(self) -> None:
         """The device holds the lease from now until :meth:`device_done` (a pass took the
@@ -73,7 +101,7 @@ class Ticket:
     def device_done(self, ran: bool) -> None:
         """The device is done with the lease (``ran``: it really used it): give it back if
         the device held it. Idempotent."""
-        self.ran = self.ran or ran
+        self._ran = self._ran or ran
         if self._claimed:
             self._give_back()
 
@@ -85,4 +113,4 @@ class Ticket:
     def _give_back(self) -> None:
         if not self._released:
             self._released = True
-            self.release(self, ran=self.ran)
+            self.release(self, ran=self._ran)

@@ -19,10 +19,7 @@ class JobStatus(enum.StrEnum):
     CANCELLED = "cancelled"
 
 
-FINAL_STATUSES = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class JobView:
     """One job as stored, read atomically.
 

@@ -74,7 +74,7 @@ class MissingConfigKeysError(KeyError, ValueError):
         return str(self.args[0])
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TransformerShape:
     """The dimensions of a transformer that set its memory use.
 

@@ -12,7 +12,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import KW_ONLY, asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +81,7 @@ class ProfilePoint:
     batch: int
     prompt_tokens: int
     new_tokens: int
+    _: KW_ONLY
     measured_bytes: int
     predicted_bytes: int
     analytic_bytes: int
@@ -89,7 +90,7 @@ class ProfilePoint:
     seconds: float = 0.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MemoryProfile:
     """What a replica measured at start-up, and the budget derived from it.
 

@@ -7,7 +7,7 @@ Pure: no Ray, torch or FastAPI.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 from serve_app.memory.cost_model import Shape
 from serve_app.memory.profiler import MemoryProfile
@@ -48,6 +48,7 @@ class ExpectedProfile:
     task: str
     model_path: str
     device_kind: str
+    _: KW_ONLY
     device: str | None = None
     capacity_bytes: int | None = None
     held_bytes: int | None = None

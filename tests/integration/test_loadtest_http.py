@@ -30,8 +30,8 @@ def app(deploy):
 
 def test_a_short_spike_is_refused_with_retry_after_and_never_runs_out_of_memory(
         app, tmp_path: Path) -> None:
-    spec = RunSpec("it-spike", "fake", CONFIG, BASELINES[0], "mixed", "spike", base_users=4,
-                   pace_rps=1.0, shape_seconds=10.0)
+    spec = RunSpec(label="it-spike", engine="fake", config=CONFIG, baseline=BASELINES[0],
+                   mix="mixed", shape="spike", base_users=4, pace_rps=1.0, shape_seconds=10.0)
     scraper = Scraper(app.base_url)
     before = scraper.scrape()
     outcomes = run_locust(spec, app.base_url, tmp_path)

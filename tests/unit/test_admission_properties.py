@@ -83,8 +83,9 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.queue = AdmissionQueue(MemoryBudget(budget_bytes), max_queue_len, max_queue_wait_s,
                                     clock=clock, drain=DrainRateEstimator(10.0, clock),
                                     on_admit=self.on_admit)
-        self.aimd = AimdBudget(budget_bytes, decrease_factor, increase_fraction, quiet_s,
-                               floor_fraction, clock=clock)
+        self.aimd = AimdBudget(budget_bytes, decrease_factor=decrease_factor,
+                               increase_fraction=increase_fraction, quiet_s=quiet_s,
+                               floor_fraction=floor_fraction, clock=clock)
         self.aimd_bytes, self.aimd_changed_at = budget_bytes, self.now_s
         self.reserved_cap = budget_bytes
 

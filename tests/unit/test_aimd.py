@@ -23,7 +23,6 @@ def test_regrowth_is_one_step_per_quiet_period_up_to_the_measured_budget(clock) 
     assert aimd.regrow() == 600
     clock.advance(25)  # two more full periods (and half of a third)
     assert aimd.regrow() == 800
-    assert aimd.seconds_to_regain(900) == pytest.approx(5.0)
     clock.advance(100)
     assert aimd.regrow() == 1000
     assert aimd.regrow() is None and aimd.regrow_count == 5
@@ -36,12 +35,6 @@ def test_an_oom_restarts_the_quiet_period(clock) -> None:
     aimd.on_oom()
     clock.advance(8)
     assert aimd.regrow() is None and aimd.current_bytes == 250
-
-
-def test_seconds_to_regain(clock) -> None:
-    aimd = AimdBudget(1000, clock=clock)
-    assert aimd.seconds_to_regain(1000) == 0.0
-    assert aimd.seconds_to_regain(1001) == float("inf")
 
 
 def test_a_bad_factor_is_refused() -> None:

@@ -378,12 +378,18 @@ def replica_stats(queue: int = 0, queued_gb: float = 0, reserved_gb: float = 0,
                   budget_gb: float = 10, leases: int = 0) -> dict[str, float]:
     """What a replica in this state returns from ``record_autoscaling_stats``."""
     budget = int(budget_gb * GB)
-    gate = GateFigures(budget, int(reserved_gb * GB), int(reserved_gb * GB),
-                       budget - int(reserved_gb * GB), leases, queue, int(queued_gb * GB), 0, 0,
-                       None)
-    state = ReplicaState("r", "node", (), 0.0, "ignored", "fake", ("embed",), "budget", "bytes",
-                         {}, {}, gate, DeviceFigures(0, 0, 0, None, 1.0, 0), budget, budget,
-                         0, 0)
+    gate = GateFigures(capacity=budget, reserved_bytes=int(reserved_gb * GB),
+                       peak_reserved_bytes=int(reserved_gb * GB),
+                       free_bytes=budget - int(reserved_gb * GB), active_leases=leases,
+                       queue_depth=queue, queued_bytes=int(queued_gb * GB),
+                       charged_bytes_total=0, released_bytes_total=0, drain_bytes_per_s=None)
+    device = DeviceFigures(inferences_running=0, inferences_total=0, oom_count=0,
+                           device_fault=None, cost_correction_factor=1.0, cost_corrections=0)
+    state = ReplicaState(replica_id="r", node_id="node", gpu_ids=(), num_gpus=0.0,
+                         model="ignored", task="fake", kinds=("embed",), policy="budget",
+                         gate_units="bytes", memory={}, cost_model={}, gate=gate,
+                         device=device, budget_bytes=budget, measured_budget_bytes=budget,
+                         budget_shrink_count=0, budget_regrow_count=0)
     return state.to_autoscaling_stats()
 
 

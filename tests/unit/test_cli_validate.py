@@ -184,8 +184,9 @@ def test_plan_uses_the_measurement_serve_run_cached(tmp_path: Path,
                 "allocator": allocator}
     measured = measure_replica(args, on_progress=lambda line: None)
     cached = MeasurementCache(args.memory.measurement_cache_dir).put(Measurement(
-        measurement_key(identity), identity, "NVIDIA H200", 150 << 30, measured.profile,
-        measured.max_request_bytes, time.time()))
+        key=measurement_key(identity), identity=identity, device_name="NVIDIA H200",
+        card_bytes=150 << 30, profile=measured.profile,
+        max_request_bytes=measured.max_request_bytes, measured_at=time.time()))
 
     status, out, _ = run_main(capsys, "plan", str(config))
     assert status == 0

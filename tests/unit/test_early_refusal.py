@@ -33,10 +33,18 @@ def published_state(thread_wait_s: float) -> ReplicaState:
     passes to run (nothing leased, no drain rate yet)."""
     cost = CorrectedCostModel(FittedCostModel(("const", "batch_tokens"), (float(MiB), 1024.0),
                                               0.05)).published()
-    gate = GateFigures(BUDGET, 0, 0, BUDGET, 0, 0, 0, 0, 0, None, thread_wait_s=thread_wait_s)
-    return ReplicaState("r", "node", (), 0.0, "fake", "fake", ("embed", "generate"), "budget",
-                        "bytes", {}, cost, gate, DeviceFigures(0, 0, 0, None, 1.0, 0), BUDGET,
-                        BUDGET, 0, 0)
+    gate = GateFigures(capacity=BUDGET, reserved_bytes=0, peak_reserved_bytes=0,
+                       free_bytes=BUDGET, active_leases=0, queue_depth=0, queued_bytes=0,
+                       charged_bytes_total=0, released_bytes_total=0, drain_bytes_per_s=None,
+                       thread_wait_s=thread_wait_s)
+    device = DeviceFigures(inferences_running=0, inferences_total=0, oom_count=0,
+                           device_fault=None, cost_correction_factor=1.0, cost_corrections=0)
+    return ReplicaState(replica_id="r", node_id="node", gpu_ids=(), num_gpus=0.0,
+                        model="fake", task="fake", kinds=("embed", "generate"),
+                        policy="budget", gate_units="bytes", memory={}, cost_model=cost,
+                        gate=gate, device=device, budget_bytes=BUDGET,
+                        measured_budget_bytes=BUDGET, budget_shrink_count=0,
+                        budget_regrow_count=0)
 
 
 @pytest.fixture()

@@ -47,8 +47,9 @@ def measurement(args, per_token_bytes: float = 2 * MiB, held_bytes: int = 2 * Gi
         cost_model=FittedCostModel(("batch_tokens",), (per_token_bytes,), 0.01),
         points=(point,), duration_s=3.0)
     identity = measurement_identity(args, "fake")
-    return Measurement(measurement_key(identity), identity, *card, profile,
-                       max_request_bytes=4 * GiB, measured_at=1_796_000_000.0)
+    return Measurement(key=measurement_key(identity), identity=identity, device_name=card[0],
+                       card_bytes=card[1], profile=profile, max_request_bytes=4 * GiB,
+                       measured_at=1_796_000_000.0)
 
 
 def test_the_key_changes_with_what_changes_the_measurement(monkeypatch) -> None:

@@ -199,7 +199,9 @@ def test_routing_stats_are_read_with_their_age_on_the_router_clock() -> None:
               "queued_bytes": 25, MEASURED_AT_KEY: 9_998.0}
     stats = ReplicaStats.from_routing_stats(report, replica_id="a", node_id="n1",
                                             now_s=500.0, unix_now_s=10_000.0)
-    assert stats == ReplicaStats("a", "n1", 100, 30, 70, 2, 25, 498.0)
+    assert stats == ReplicaStats("a", node_id="n1", budget_bytes=100, reserved_bytes=30,
+                                 free_bytes=70, queue_depth=2, queued_bytes=25,
+                                 measured_at_s=498.0)
     assert stats.known
     future = ReplicaStats.from_routing_stats({MEASURED_AT_KEY: 10_005.0}, replica_id="a",
                                              now_s=500.0, unix_now_s=10_000.0)
@@ -247,12 +249,13 @@ def _replicas(draw: st.DrawFn) -> list[ReplicaStats]:
     for replica_id in ids:
         node = draw(st.sampled_from([None, "n1", "n2"]))
         if draw(st.booleans()) and draw(st.booleans()):
-            out.append(ReplicaStats(replica_id, node))
+            out.append(ReplicaStats(replica_id, node_id=node))
             continue
         budget = draw(st.integers(min_value=1, max_value=10_000))
         free = draw(st.integers(min_value=0, max_value=budget))
-        out.append(ReplicaStats(replica_id, node, budget, budget - free, free,
-                                draw(_figure), draw(_figure)))
+        out.append(ReplicaStats(replica_id, node_id=node, budget_bytes=budget,
+                                reserved_bytes=budget - free, free_bytes=free,
+                                queue_depth=draw(_figure), queued_bytes=draw(_figure)))
     return out
 
 
@@ -433,8 +436,9 @@ async def test_ray_loads_the_router_from_its_config_path_and_builds_it_as_ray_do
 
 
 def test_a_tie_break_orders_replicas_equal_on_everything_else() -> None:
-    idle = [ReplicaStats("a", "n1", 100 * MB, 0, 100 * MB, 0, 0, 0.0),
-            ReplicaStats("b", "n1", 100 * MB, 0, 100 * MB, 0, 0, 0.0)]
+    idle = [ReplicaStats(name, node_id="n1", budget_bytes=100 * MB, reserved_bytes=0,
+                         free_bytes=100 * MB, queue_depth=0, queued_bytes=0, measured_at_s=0.0)
+            for name in ("a", "b")]
     assert rank_replicas(idle, 10 * MB, {}, None) == [["a", "b"], []]
     assert rank_replicas(idle, 10 * MB, {}, None, tie_break={"a": 0.9, "b": 0.1}) == [
         ["b", "a"], []]

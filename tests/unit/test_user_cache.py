@@ -56,8 +56,9 @@ def _poison(home: Path) -> None:
     measured = measure_replica(small, on_progress=lambda line: None)
     cache = home / ".cache" / "vramgate"
     MeasurementCache(cache / "measurements").put(Measurement(
-        measurement_key(identity), identity, "NVIDIA H200", 150 << 30, measured.profile,
-        measured.max_request_bytes, time.time()))
+        key=measurement_key(identity), identity=identity, device_name="NVIDIA H200",
+        card_bytes=150 << 30, profile=measured.profile,
+        max_request_bytes=measured.max_request_bytes, measured_at=time.time()))
     (cache / "jobs" / "fake").mkdir(parents=True)
 
 

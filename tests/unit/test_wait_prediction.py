@@ -303,11 +303,14 @@ def test_requests_that_waited_their_whole_limit_raise_the_margin() -> None:
 
 def test_the_profile_gives_its_fastest_measured_drain() -> None:
     def point(price: int, seconds: float) -> ProfilePoint:
-        return ProfilePoint(1, 8, 0, price, price, 0, False, seconds=seconds)
+        return ProfilePoint(1, 8, 0, measured_bytes=price, predicted_bytes=price,
+                            analytic_bytes=0, held_out=False, seconds=seconds)
 
     fitted = FittedCostModel(("const",), (1.0,))
-    profile = MemoryProfile("cpu", "test", "fake", "fake", 1 << 30, 0, fitted,
-                            (point(100, 2.0), point(900, 3.0), point(50, 0.0)), 1.0)
+    profile = MemoryProfile(device="cpu", method="test", task="fake", model_path="fake",
+                            capacity_bytes=1 << 30, held_bytes=0, cost_model=fitted,
+                            points=(point(100, 2.0), point(900, 3.0), point(50, 0.0)),
+                            duration_s=1.0)
     assert profile.drain_bytes_per_s == pytest.approx(300.0)  # the largest: 900 B in 3 s
     faster_small = MemoryProfile(**{**profile.__dict__,
                                     "points": (*profile.points, point(600, 0.5))})
