@@ -34,6 +34,7 @@ from serve_app.config import AppArgs
 from serve_app.errors import InvalidRequestError, ModelNotFoundError, ServeAppError
 from serve_app.kinds import KINDS
 from serve_app.metrics import ProcessMetrics
+from serve_app.outcomes import Outcome, Reason
 from serve_app.pricing import Pricer, shape_bytes
 from serve_app.request import InferenceRequest
 from serve_app.schemas import Admitted, InferenceResult
@@ -234,7 +235,8 @@ class RequestLifecycle:
             # Kept with the lease: a batch runs outside this request's logging context.
             return replace(admission, request_id=self._request_id() or "")
         except ServeAppError as exc:
-            self._metrics.inc("admission_decisions", outcome="rejected", reason=exc.code)
+            self._metrics.inc("admission_decisions", outcome=Outcome.REJECTED,
+                              reason=Reason(exc.code))
             raise
         except asyncio.CancelledError:
             self._thread.client_gone(shape_bytes(self._pricer.cost_model, request.shape))

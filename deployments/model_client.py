@@ -21,6 +21,7 @@ from serve_app.errors import OverloadedError, ServeAppError
 from serve_app.kinds import KINDS
 from serve_app.memory.cost_model import Shape
 from serve_app.metrics import ProcessMetrics
+from serve_app.outcomes import Outcome, Reason
 from serve_app.request import InferenceRequest, wait_bound_s
 from serve_app.schemas import InferenceResult
 
@@ -134,11 +135,13 @@ class ModelClient:
         left_s = wait_bound_s(self._max_queue_wait_s, wait_limit_s)
         if predicted_s is None or predicted_s <= left_s:
             return None
-        self._metrics.inc("admission_decisions", outcome="rejected", reason="predicted_timeout")
+        self._metrics.inc("admission_decisions", outcome=Outcome.REJECTED,
+                          reason=Reason.PREDICTED_TIMEOUT)
         return OverloadedError(
             f"refused at once: the predicted wait of {predicted_s:.3g} s on every model "
             f"replica exceeds the {left_s:.3g} s this request may wait",
-            code="predicted_timeout", retry_after_s=min(MAX_RETRY_AFTER_S, predicted_s - left_s))
+            code=Reason.PREDICTED_TIMEOUT.value,
+            retry_after_s=min(MAX_RETRY_AFTER_S, predicted_s - left_s))
 
     async def _refuses_by_prediction(self, wait_limit_s: float | None) -> bool:
         return (self._refuse_predicted or wait_limit_s is not None) and (
@@ -183,11 +186,12 @@ class ModelClient:
             return
         assigned.cancel()
         response.cancel()
-        self._metrics.inc("admission_decisions", outcome="rejected", reason="queue_timeout")
+        self._metrics.inc("admission_decisions", outcome=Outcome.REJECTED,
+                          reason=Reason.QUEUE_TIMEOUT)
         raise OverloadedError(
             f"waited {request.wait_bound_s(self._max_queue_wait_s):g} s for a model replica "
             "to accept the request",
-            code="queue_timeout", retry_after_s=await self._replicas.retry_after_s())
+            code=Reason.QUEUE_TIMEOUT.value, retry_after_s=await self._replicas.retry_after_s())
 
     async def call(self, method: Callable[..., Awaitable[Any]] | Any, *args: Any,
                    **kwargs: Any) -> Any:
@@ -201,14 +205,16 @@ class ModelClient:
         except ServeAppError:
             raise
         except BackPressureError:
-            self._metrics.inc("admission_decisions", outcome="rejected", reason="queue_full")
+            self._metrics.inc("admission_decisions", outcome=Outcome.REJECTED,
+                              reason=Reason.QUEUE_FULL)
             raise OverloadedError("every model replica is busy and its queue is full",
-                                  code="queue_full",
+                                  code=Reason.QUEUE_FULL.value,
                                   retry_after_s=await self._replicas.retry_after_s()) from None
         except Exception as exc:
             err = as_serve_app_error(exc)
-            if err.code == "no_replicas":  # refused before any replica could decide
-                self._metrics.inc("admission_decisions", outcome="rejected", reason=err.code)
+            if err.code == Reason.NO_REPLICAS:  # refused before any replica could decide
+                self._metrics.inc("admission_decisions", outcome=Outcome.REJECTED,
+                                  reason=Reason.NO_REPLICAS)
             raise err from None
 
 
