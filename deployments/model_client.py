@@ -24,6 +24,7 @@ from serve_app.metrics import ProcessMetrics
 from serve_app.outcomes import Outcome, Reason
 from serve_app.request import InferenceRequest, wait_bound_s
 from serve_app.schemas import InferenceResult
+from serve_app.stream_events import AdmissionEvent, StreamError, StreamEvent
 
 
 class ModelClient:
@@ -68,9 +69,10 @@ class ModelClient:
         return _raised(await self.call(lambda: response))
 
     async def stream(self, request: InferenceRequest,
-                     ) -> tuple[dict[str, Any], AsyncIterator[dict[str, Any]]]:
+                     ) -> tuple[AdmissionEvent, AsyncIterator[StreamEvent]]:
         """Start streaming ``request`` (``ModelServer.infer_stream``): its first item (the
-        admission, so that admission errors come before any byte is sent) and the rest.
+        admission, ``Queued`` or ``Admitted``, so that admission errors come
+        before any byte is sent) and the rest (:mod:`serve_app.stream_events`).
         Cancel the rest (``aclose``) when the client leaves.
 
         Raises: as :meth:`infer`, before the first item; the rest raises the typed error
@@ -81,7 +83,7 @@ class ModelClient:
         await self._wait_for_a_replica(stream, request)
         first = _raised(await self.call(lambda: stream.__anext__()))
 
-        async def rest() -> AsyncIterator[dict[str, Any]]:
+        async def rest() -> AsyncIterator[StreamEvent]:
             try:
                 async for item in stream:
                     yield _raised(item)
@@ -221,12 +223,12 @@ class ModelClient:
 def _raised(answer: Any) -> Any:
     """A model replica's answer (a result, or a stream's item), its typed error raised
     again: the replica returns refusals rather than raising them (``ModelServer.infer``, a
-    stream's ``{"error": ...}`` item), so that Ray Serve does not log them as failures.
+    stream's :class:`StreamError` item), so that Ray Serve does not log them as failures.
 
     Raises:
         ServeAppError: the error the replica answered with, as it would have raised it.
     """
-    error = answer.get("error") if isinstance(answer, dict) else answer
+    error = answer.error if isinstance(answer, StreamError) else answer
     if isinstance(error, ServeAppError):
         raise error
     return answer
