@@ -13,6 +13,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from deployments.device_health import draining_error
 from deployments.http_errors import as_serve_app_error
 from serve_app.admission import queue
+from serve_app.admission.controller import _refusal
 from serve_app.jobs.view import JobStatus
 from serve_app.metrics import ProcessMetrics
 from serve_app.outcomes import (
@@ -92,6 +93,13 @@ def test_every_refusal_recorded_from_its_code_has_a_reason() -> None:
     """The replica records a refusal's ``reason`` from its error's ``code``
     (``Reason(exc.code)``): the codes admission and a device fault refuse with, and the
     ingress's ``no_replicas`` and handle ``queue_full``."""
+    for reason in (Reason.REQUEST_TOO_LARGE, Reason.QUEUE_FULL, Reason.PREDICTED_TIMEOUT,
+                   Reason.OOM):
+        for no_wait in (False, True):
+            refusal = _refusal(queue.Decision(Outcome.REJECTED, 10, reason=reason,
+                                               predicted_wait_s=3.0), 5, 1.0,
+                               no_wait)
+            assert Reason(refusal.code) is reason
     assert Reason(draining_error().code) is Reason.DRAINING
     assert Reason(as_serve_app_error(DeploymentUnavailableError("m")).code) is \
         Reason.NO_REPLICAS
