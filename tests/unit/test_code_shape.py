@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from serve_app import outcomes
-from serve_app.metrics import SPECS_BY_NAME
+from serve_app.metrics import SPECS
 
 REPO = Path(__file__).resolve().parents[2]
 PRODUCT = ("serve_app", "deployments")
@@ -91,6 +91,7 @@ def test_the_name_check_would_see_a_switch() -> None:
 
 
 LABELS = ("outcome", "reason")
+METRICS = {spec.name for spec in SPECS}
 # The enums of serve_app.outcomes, by name: what a metric's outcome or reason is built from.
 LABEL_ENUMS = {name for name, value in vars(outcomes).items()
                if isinstance(value, type) and issubclass(value, enum.StrEnum)}
@@ -133,7 +134,7 @@ def _labels_by_hand(tree: ast.AST) -> Iterator[str]:
             continue
         metric = (isinstance(node.func, ast.Attribute) and node.args
                   and isinstance(node.args[0], ast.Constant)
-                  and node.args[0].value in SPECS_BY_NAME)
+                  and node.args[0].value in METRICS)
         for keyword in node.keywords:
             if keyword.arg in LABELS and (_spelled_out(keyword.value) or (
                     metric and not _of_an_enum(keyword.value))):
