@@ -25,6 +25,7 @@ from serve_app.errors import OverloadedError
 from serve_app.memory.cost_model import CorrectedCostModel
 from serve_app.memory.probes import DeviceProbe
 from serve_app.metrics import ProcessMetrics
+from serve_app.outcomes import Reason
 from serve_app.replica_state import DeviceFigures
 
 logger = logging.getLogger("ray.serve")
@@ -44,7 +45,7 @@ def is_device_fault(exc: BaseException) -> bool:
 def draining_error() -> OverloadedError:
     """503 ``draining``: this replica is being replaced."""
     return OverloadedError("the model replica hit a device fault and is being replaced",
-                           code="draining", retry_after_s=1)
+                           code=Reason.DRAINING.value, retry_after_s=1)
 
 
 class DeviceHealth:
@@ -154,7 +155,8 @@ class DeviceHealth:
         out-of-memory error, 503 ``draining`` for a device fault; other errors are bugs and
         pass through."""
         if isinstance(exc, torch.OutOfMemoryError):
-            return OverloadedError("the device ran out of memory; retry later", code="oom",
+            return OverloadedError("the device ran out of memory; retry later",
+                                   code=Reason.OOM.value,
                                    retry_after_s=self._gate.retry_after_s(leased_bytes))
         if is_device_fault(exc):
             return draining_error()

@@ -25,6 +25,7 @@ from serve_app.errors import (
     OverloadedError,
     ServeAppError,
 )
+from serve_app.outcomes import Reason
 
 logger = logging.getLogger("vramgate.errors")
 
@@ -42,13 +43,13 @@ def as_serve_app_error(exc: BaseException) -> ServeAppError:
     if isinstance(exc, ServeAppError):
         return exc
     if isinstance(exc, BackPressureError):
-        return OverloadedError("every model replica's queue is full", code="queue_full",
+        return OverloadedError("every model replica's queue is full", code=Reason.QUEUE_FULL.value,
                                retry_after_s=1)
     if isinstance(exc, RayActorError):  # the replica died or was replaced mid-request
         return OverloadedError("the model replica serving this request stopped; retry",
-                               code="no_replicas", retry_after_s=1)
+                               code=Reason.NO_REPLICAS.value, retry_after_s=1)
     if isinstance(exc, DeploymentUnavailableError):
-        return OverloadedError("no model replica is available", code="no_replicas",
+        return OverloadedError("no model replica is available", code=Reason.NO_REPLICAS.value,
                                retry_after_s=1)
     if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
         # The jobs' Redis, between a redeploy's old and new broker, or jobs.redis_url down:

@@ -17,6 +17,7 @@ from deployments.model_client import ModelClient
 from serve_app.errors import IdempotencyKeyReusedError, InvalidRequestError, OverloadedError
 from serve_app.idempotency import StoredResponse
 from serve_app.metrics import ProcessMetrics
+from serve_app.outcomes import IdempotencyHit
 
 
 class IdempotencyGuard:
@@ -60,7 +61,8 @@ class IdempotencyGuard:
                 stored = await self._client.call(self._store.wait, key, self._wait_s)
             if stored is not None:
                 self._metrics.inc("idempotency_hits",
-                                  outcome="coalesced" if action == "wait" else "replayed")
+                                  outcome=IdempotencyHit.COALESCED if action == "wait"
+                                  else IdempotencyHit.REPLAYED)
                 return _replay(stored)
             if action == "run":
                 return await self._run_and_record(key, run)

@@ -28,6 +28,7 @@ from serve_app.errors import InferenceTimeoutError, OverloadedError
 from serve_app.memory.cost_model import failed_allocation_bytes
 from serve_app.memory.probes import DeviceProbe
 from serve_app.metrics import ProcessMetrics
+from serve_app.outcomes import AdmitReason, CancelReason, Outcome, Reason
 
 PASS_MEAN_WEIGHT = 0.2
 """Weight of the newest pass in the mean pass duration (:meth:`InferenceThread.backlog_wait_s`):
@@ -177,12 +178,13 @@ class InferenceThread:
         """A request's client left before its answer was whole (queued, waiting for the
         thread, or half-way through a stream): an ordinary outcome, counted as
         ``cancelled``/``client_gone`` and one INFO line of the request log."""
-        self._metrics.inc("admission_decisions", outcome="cancelled", reason="client_gone")
+        self._metrics.inc("admission_decisions", outcome=Outcome.CANCELLED,
+                          reason=CancelReason.CLIENT_GONE)
         self._log.event("client gone", leased_bytes, request_id)
 
     def admitted(self, ticket: Ticket, batch: int) -> None:
-        self._metrics.inc("admission_decisions", outcome="admitted",
-                          reason="queued" if ticket.admission.queue_position else "at_once")
+        self._metrics.inc("admission_decisions", outcome=Outcome.ADMITTED,
+                          reason=AdmitReason.of(ticket.admission.queue_position))
         self._metrics.observe("queue_wait_seconds", ticket.queue_wait_s)
         predicted_s = ticket.admission.predicted_wait_s
         if predicted_s is not None:
@@ -275,15 +277,15 @@ class InferenceThread:
     def queue_timeout(self, tickets: Sequence[Ticket]) -> OverloadedError:
         """503 ``queue_timeout`` for work that waited its whole bound (``max_queue_wait_s``
         or the client's shorter limit) without starting (counted as rejected here)."""
-        self._metrics.inc("admission_decisions", len(tickets), outcome="rejected",
-                          reason="queue_timeout")
+        self._metrics.inc("admission_decisions", len(tickets), outcome=Outcome.REJECTED,
+                          reason=Reason.QUEUE_TIMEOUT)
         bounds_s = [t.request.wait_bound_s(self._admission.max_queue_wait_s) for t in tickets]
         for ticket, waited_s in zip(tickets, bounds_s, strict=True):
             self._gate.record_timeout(waited_s, ticket.admission.predicted_wait_s)
         bound_s = min(bounds_s)
         return OverloadedError(
             f"waited {bound_s:g} s for the inference thread without starting",
-            code="queue_timeout",
+            code=Reason.QUEUE_TIMEOUT.value,
             retry_after_s=self._gate.backlog_retry_after_s(
                 sum(t.lease.nbytes for t in tickets)))
 

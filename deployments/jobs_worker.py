@@ -37,6 +37,7 @@ from serve_app.errors import InternalError, OverloadedError, RequestTooLargeErro
 from serve_app.jobs.config import JobsConfig
 from serve_app.jobs.store import JobStore
 from serve_app.jobs.view import JobView
+from serve_app.outcomes import JobOutcome
 from serve_app.pricing import shape_bytes
 
 logger = logging.getLogger("ray.serve")
@@ -191,8 +192,7 @@ class JobWorker:
             outcome = partial(store.finish, job.id, worker, json.dumps(body))
         status = await store_outcome(job.id, outcome, self._config.poll_interval_s)
         if status is not None:  # None: another outcome was recorded first
-            self._replica.metrics.inc("jobs_finished", outcome="requeued"
-                                      if status == "queued" else str(status))
+            self._replica.metrics.inc("jobs_finished", outcome=JobOutcome.of(status))
 
     def close(self) -> None:
         """Stop pulling (jobs running finish, or are re-run after the heartbeat lapses)."""

@@ -35,20 +35,22 @@ from serve_app.config import AppArgs
 from serve_app.errors import InvalidRequestError, ModelNotFoundError, ServeAppError
 from serve_app.kinds import KINDS
 from serve_app.metrics import ProcessMetrics
+from serve_app.outcomes import Outcome, Reason
 from serve_app.pricing import Pricer, shape_bytes
 from serve_app.request import InferenceRequest
 from serve_app.schemas import Admitted, InferenceResult
+from serve_app.stream_events import Finished, Queued, StreamEvent, TextPiece
 
 POSITION_EVERY_S = 1.0
 """A waiting stream hears its position at least this often (it also hears every move)."""
 
 
-def _queued_item(position: int, eta_s: float | None, told_at: float) -> dict[str, Any]:
-    """A ``queued`` item: the position, and the predicted wait less what passed since it was
-    predicted (milliseconds; ``None`` while no drain rate is measured)."""
+def _queued_item(position: int, eta_s: float | None, told_at: float) -> Queued:
+    """A :class:`Queued` item: the position, and the predicted wait less what passed since
+    it was predicted (milliseconds; ``None`` while no drain rate is measured)."""
     eta_ms = None if eta_s is None else max(
         0, round((eta_s - (time.monotonic() - told_at)) * 1000))
-    return {"position": position, "eta_ms": eta_ms}
+    return Queued(position, eta_ms)
 
 
 class RequestLifecycle:
@@ -120,12 +122,12 @@ class RequestLifecycle:
                 raise draining_error()
             return InferenceResult(output, self._admitted(ticket), self._replica_id)
 
-    async def infer_stream(self, request: InferenceRequest) -> AsyncIterator[dict[str, Any]]:
-        """Stream a request: while it waits for its lease, ``{"queued": {"position",
-        "eta_ms"}}`` when it is queued, whenever it moves up and at least every
-        ``POSITION_EVERY_S``; then ``{"admitted": Admitted}`` once the lease is held, then
-        ``{"text": piece}`` items, then ``{"finish_reason", "prompt_tokens",
-        "completion_tokens"}``. Errors before the first item are :meth:`infer`'s; an error
+    async def infer_stream(self, request: InferenceRequest) -> AsyncIterator[StreamEvent]:
+        """Stream a request (:mod:`serve_app.stream_events`): while it waits for its lease,
+        :class:`Queued` (position, ``eta_ms``) when it is queued, whenever it moves up and at
+        least every ``POSITION_EVERY_S``; then :class:`Admitted` once the lease is held, then
+        :class:`TextPiece` items, then :class:`Finished` (the finish reason, prompt and
+        completion tokens). Errors before the first item are :meth:`infer`'s; an error
         after it (a refusal after it was queued, ``InferenceTimeoutError``) ends the stream
         by raising.
 
@@ -161,8 +163,8 @@ class RequestLifecycle:
             ticket.caller_done()
 
     async def _admit_watched(self, request: InferenceRequest,
-                             admissions: list[Admission]) -> AsyncIterator[dict[str, Any]]:
-        """:meth:`_admit`, yielding ``{"queued": ...}`` items while the request waits; the
+                             admissions: list[Admission]) -> AsyncIterator[Queued]:
+        """:meth:`_admit`, yielding :class:`Queued` items while the request waits; the
         admission is appended to ``admissions``. If the consumer leaves meanwhile, the wait
         is cancelled (a lease granted in that instant goes back unused)."""
         moves: asyncio.Queue[tuple[int, float | None]] = asyncio.Queue()
@@ -180,7 +182,7 @@ class RequestLifecycle:
                 else:
                     move.cancel()
                 if last is not None and (move in done or not done):
-                    yield {"queued": _queued_item(*last)}
+                    yield _queued_item(*last)
         except BaseException:
             if move is not None:
                 move.cancel()
@@ -235,16 +237,17 @@ class RequestLifecycle:
             # Kept with the lease: a batch runs outside this request's logging context.
             return replace(admission, request_id=self._request_id() or "")
         except ServeAppError as exc:
-            self._metrics.inc("admission_decisions", outcome="rejected", reason=exc.code)
+            self._metrics.inc("admission_decisions", outcome=Outcome.REJECTED,
+                              reason=Reason(exc.code))
             raise
         except asyncio.CancelledError:
             self._thread.client_gone(shape_bytes(self._pricer.cost_model, request.shape))
             raise
 
-    async def _stream(self, ticket: Ticket) -> AsyncIterator[dict[str, Any]]:
-        """The ``admitted`` item, then ``ticket``'s request run on the thread, its text
+    async def _stream(self, ticket: Ticket) -> AsyncIterator[StreamEvent]:
+        """The :class:`Admitted` item, then ``ticket``'s request run on the thread, its text
         pieces as they come."""
-        yield {"admitted": self._admitted(ticket)}
+        yield self._admitted(ticket)
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue[str] = asyncio.Queue()
         consumer_gone = threading.Event()
@@ -265,28 +268,27 @@ class RequestLifecycle:
                 done, _ = await asyncio.wait({getter, future}, timeout=deadline - loop.time(),
                                              return_when=asyncio.FIRST_COMPLETED)
                 if getter in done:
-                    yield {"text": getter.result()}
+                    yield TextPiece(getter.result())
                     continue
                 getter.cancel()
                 if not done:
                     raise self._thread.timeout_error()
             while not pieces.empty():  # pieces put before the thread returned
-                yield {"text": pieces.get_nowait()}
+                yield TextPiece(pieces.get_nowait())
             try:
                 output = future.result()
             except RuntimeError as exc:
                 raise self._health.error_for(exc, ticket.lease.nbytes) from None
-            yield {"finish_reason": output.finish_reason,
-                   "prompt_tokens": ticket.request.prompt_tokens,
-                   "completion_tokens": output.completion_tokens}
+            yield Finished(output.finish_reason, ticket.request.prompt_tokens,
+                           output.completion_tokens)
         finally:
             consumer_gone.set()
 
-    async def _stream_steps(self, ticket: Ticket) -> AsyncIterator[dict[str, Any]]:
-        """As :meth:`_stream`, on the continuous-batching loop: ``{"queued": ...}`` items
+    async def _stream_steps(self, ticket: Ticket) -> AsyncIterator[StreamEvent]:
+        """As :meth:`_stream`, on the continuous-batching loop: :class:`Queued` items
         while the sequence waits for a place in the running batch (its position among the
         completions waiting there, when it changes and at least every ``POSITION_EVERY_S``;
-        no ``eta_ms``), the ``admitted`` item once it joined, then a piece as each step
+        no ``eta_ms``), the :class:`Admitted` item once it joined, then a piece as each step
         makes it; the sequence leaves the engine before the next step once the consumer is
         gone. A refusal before the first item (``queue_timeout`` while it waited to join,
         having heard nothing) is an HTTP error; after a ``queued`` item, the route ends the
@@ -301,28 +303,27 @@ class RequestLifecycle:
                 yield item
             if not joined.is_set():
                 task.result()  # its refusal; it cannot have succeeded without joining
-            yield {"admitted": self._admitted(ticket)}
+            yield self._admitted(ticket)
             while not task.done():
                 getter = asyncio.ensure_future(pieces.get())
                 done, _ = await asyncio.wait({getter, task},
                                              return_when=asyncio.FIRST_COMPLETED)
                 if getter in done:
-                    yield {"text": getter.result()}
+                    yield TextPiece(getter.result())
                 else:
                     getter.cancel()
             while not pieces.empty():
-                yield {"text": pieces.get_nowait()}
+                yield TextPiece(pieces.get_nowait())
             output = task.result()
-            yield {"finish_reason": output.finish_reason,
-                   "prompt_tokens": ticket.request.prompt_tokens,
-                   "completion_tokens": output.completion_tokens}
+            yield Finished(output.finish_reason, ticket.request.prompt_tokens,
+                           output.completion_tokens)
         finally:
             task.cancel()
 
     @staticmethod
     async def _waiting_to_join(task: asyncio.Future, joined: asyncio.Event,
-                               moves: asyncio.Queue[int]) -> AsyncIterator[dict[str, Any]]:
-        """``{"queued": ...}`` items until ``joined`` is set or ``task`` ends."""
+                               moves: asyncio.Queue[int]) -> AsyncIterator[Queued]:
+        """:class:`Queued` items until ``joined`` is set or ``task`` ends."""
         waiter = asyncio.ensure_future(joined.wait())
         told: tuple[int, float] | None = None
         try:
@@ -336,7 +337,7 @@ class RequestLifecycle:
                     move.cancel()
                 if told is not None and not waiter.done() and not task.done() \
                         and (move in done or not done):
-                    yield {"queued": _queued_item(told[0], None, told[1])}
+                    yield _queued_item(told[0], None, told[1])
         finally:
             waiter.cancel()
 

@@ -21,8 +21,10 @@ from serve_app.errors import OverloadedError, ServeAppError
 from serve_app.kinds import KINDS
 from serve_app.memory.cost_model import Shape
 from serve_app.metrics import ProcessMetrics
+from serve_app.outcomes import Outcome, Reason
 from serve_app.request import InferenceRequest, wait_bound_s
 from serve_app.schemas import InferenceResult
+from serve_app.stream_events import AdmissionEvent, StreamError, StreamEvent
 
 
 class ModelClient:
@@ -67,9 +69,10 @@ class ModelClient:
         return _raised(await self.call(lambda: response))
 
     async def stream(self, request: InferenceRequest,
-                     ) -> tuple[dict[str, Any], AsyncIterator[dict[str, Any]]]:
+                     ) -> tuple[AdmissionEvent, AsyncIterator[StreamEvent]]:
         """Start streaming ``request`` (``ModelServer.infer_stream``): its first item (the
-        admission, so that admission errors come before any byte is sent) and the rest.
+        admission, ``Queued`` or ``Admitted``, so that admission errors come
+        before any byte is sent) and the rest (:mod:`serve_app.stream_events`).
         Cancel the rest (``aclose``) when the client leaves.
 
         Raises: as :meth:`infer`, before the first item; the rest raises the typed error
@@ -80,7 +83,7 @@ class ModelClient:
         await self._wait_for_a_replica(stream, request)
         first = _raised(await self.call(lambda: stream.__anext__()))
 
-        async def rest() -> AsyncIterator[dict[str, Any]]:
+        async def rest() -> AsyncIterator[StreamEvent]:
             try:
                 async for item in stream:
                     yield _raised(item)
@@ -134,11 +137,13 @@ class ModelClient:
         left_s = wait_bound_s(self._max_queue_wait_s, wait_limit_s)
         if predicted_s is None or predicted_s <= left_s:
             return None
-        self._metrics.inc("admission_decisions", outcome="rejected", reason="predicted_timeout")
+        self._metrics.inc("admission_decisions", outcome=Outcome.REJECTED,
+                          reason=Reason.PREDICTED_TIMEOUT)
         return OverloadedError(
             f"refused at once: the predicted wait of {predicted_s:.3g} s on every model "
             f"replica exceeds the {left_s:.3g} s this request may wait",
-            code="predicted_timeout", retry_after_s=min(MAX_RETRY_AFTER_S, predicted_s - left_s))
+            code=Reason.PREDICTED_TIMEOUT.value,
+            retry_after_s=min(MAX_RETRY_AFTER_S, predicted_s - left_s))
 
     async def _refuses_by_prediction(self, wait_limit_s: float | None) -> bool:
         return (self._refuse_predicted or wait_limit_s is not None) and (
@@ -183,11 +188,12 @@ class ModelClient:
             return
         assigned.cancel()
         response.cancel()
-        self._metrics.inc("admission_decisions", outcome="rejected", reason="queue_timeout")
+        self._metrics.inc("admission_decisions", outcome=Outcome.REJECTED,
+                          reason=Reason.QUEUE_TIMEOUT)
         raise OverloadedError(
             f"waited {request.wait_bound_s(self._max_queue_wait_s):g} s for a model replica "
             "to accept the request",
-            code="queue_timeout", retry_after_s=await self._replicas.retry_after_s())
+            code=Reason.QUEUE_TIMEOUT.value, retry_after_s=await self._replicas.retry_after_s())
 
     async def call(self, method: Callable[..., Awaitable[Any]] | Any, *args: Any,
                    **kwargs: Any) -> Any:
@@ -201,26 +207,28 @@ class ModelClient:
         except ServeAppError:
             raise
         except BackPressureError:
-            self._metrics.inc("admission_decisions", outcome="rejected", reason="queue_full")
+            self._metrics.inc("admission_decisions", outcome=Outcome.REJECTED,
+                              reason=Reason.QUEUE_FULL)
             raise OverloadedError("every model replica is busy and its queue is full",
-                                  code="queue_full",
+                                  code=Reason.QUEUE_FULL.value,
                                   retry_after_s=await self._replicas.retry_after_s()) from None
         except Exception as exc:
             err = as_serve_app_error(exc)
-            if err.code == "no_replicas":  # refused before any replica could decide
-                self._metrics.inc("admission_decisions", outcome="rejected", reason=err.code)
+            if err.code == Reason.NO_REPLICAS:  # refused before any replica could decide
+                self._metrics.inc("admission_decisions", outcome=Outcome.REJECTED,
+                                  reason=Reason.NO_REPLICAS)
             raise err from None
 
 
 def _raised(answer: Any) -> Any:
     """A model replica's answer (a result, or a stream's item), its typed error raised
     again: the replica returns refusals rather than raising them (``ModelServer.infer``, a
-    stream's ``{"error": ...}`` item), so that Ray Serve does not log them as failures.
+    stream's :class:`StreamError` item), so that Ray Serve does not log them as failures.
 
     Raises:
         ServeAppError: the error the replica answered with, as it would have raised it.
     """
-    error = answer.get("error") if isinstance(answer, dict) else answer
+    error = answer.error if isinstance(answer, StreamError) else answer
     if isinstance(error, ServeAppError):
         raise error
     return answer

@@ -38,6 +38,7 @@ from serve_app.metrics import REPLICA_EVENT_COUNTERS, ProcessMetrics
 from serve_app.replica_state import ReplicaState
 from serve_app.request import InferenceRequest
 from serve_app.schemas import InferenceResult
+from serve_app.stream_events import StreamEvent
 
 logger = logging.getLogger("ray.serve")
 
@@ -134,8 +135,8 @@ class ModelServer:
         return await self._replica.answer(request)
 
     async def infer_stream(self, request: InferenceRequest,
-                           ) -> AsyncIterator[dict[str, Any]]:
-        """Stream one validated request; its typed error as a last ``{"error": ...}`` item
+                           ) -> AsyncIterator[StreamEvent]:
+        """Stream one validated request; its typed error as a last ``StreamError`` item
         (:meth:`Replica.answer_stream`)."""
         async with contextlib.aclosing(self._replica.answer_stream(request)) as items:
             async for item in items:  # closed with this one (its consumer gone)

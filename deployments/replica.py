@@ -39,6 +39,7 @@ from serve_app.pricing import Pricer, shape_bytes
 from serve_app.replica_state import GateFigures, ReplicaState
 from serve_app.request import InferenceRequest
 from serve_app.schemas import InferenceResult
+from serve_app.stream_events import StreamError, StreamEvent
 
 
 @dataclass(frozen=True)
@@ -113,15 +114,15 @@ class Replica:
             return self.refused(request, err)
 
     async def answer_stream(self, request: InferenceRequest,
-                            ) -> AsyncIterator[dict[str, Any]]:
+                            ) -> AsyncIterator[StreamEvent]:
         """:meth:`RequestLifecycle.infer_stream`'s items; its typed error, before or after
-        the first item, as a last ``{"error": ServeAppError}`` item (as :meth:`answer`)."""
+        the first item, as a last :class:`StreamError` item (as :meth:`answer`)."""
         try:
             async with contextlib.aclosing(self.lifecycle.infer_stream(request)) as items:
                 async for item in items:  # closed with this one (its consumer gone)
                     yield item
         except ServeAppError as err:
-            yield {"error": self.refused(request, err)}
+            yield StreamError(self.refused(request, err))
 
     def refused(self, request: InferenceRequest, err: ServeAppError) -> ServeAppError:
         """``err``, logged as one line of the request log with its ``status`` and ``code``:

@@ -20,6 +20,14 @@ from serve_app.client_wait import client_wait_limit_s, prefers_async
 from serve_app.errors import InvalidRequestError, ServeAppError
 from serve_app.request import GenerationOutput, GenerationParams, InferenceRequest
 from serve_app.schemas import GenerationFields
+from serve_app.stream_events import (
+    Admitted,
+    Finished,
+    Queued,
+    StreamError,
+    StreamEvent,
+    TextPiece,
+)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -129,33 +137,55 @@ class GenerationRoute(Route):
         after the first byte goes in-band as a final ``data: {"error": ...}`` event, then
         ``[DONE]``."""
         first, rest = await self.context.client.stream(inference)
+        include_usage = body.include_usage
 
         async def events() -> AsyncIterator[str]:
-            if "queued" in first:
-                yield _queued_comment(first["queued"])
+            for line in render(first, reply, include_usage):
+                yield line
             for event in reply.opening():
                 yield _sse(event)
             try:
                 async for item in rest:
-                    if "queued" in item:
-                        yield _queued_comment(item["queued"])
-                        continue
-                    if "admitted" in item:
-                        continue
-                    yield _sse(reply.piece(item.get("text", ""), item.get("finish_reason")))
-                    if "finish_reason" in item and body.include_usage:
-                        yield _sse(reply.usage_event(item["prompt_tokens"],
-                                                     item["completion_tokens"]))
+                    for line in render(item, reply, include_usage):
+                        yield line
             except Exception as exc:  # after the first byte: in-band, never a broken stream
-                yield _sse(_in_band(as_serve_app_error(exc)))
+                for line in render(StreamError(as_serve_app_error(exc)), reply, include_usage):
+                    yield line
             finally:
                 await rest.aclose()
-            yield "data: [DONE]\n\n"
+            yield DONE
 
-        headers = first["admitted"].headers() if "admitted" in first else {
-            "X-Queue-Position": str(first["queued"]["position"])}
         return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={**headers, "Cache-Control": "no-cache"})
+                                 headers={**first.headers(), "Cache-Control": "no-cache"})
+
+
+DONE = "data: [DONE]\n\n"
+"""The last line of every stream."""
+
+
+def render(event: StreamEvent, reply: Reply, include_usage: bool) -> list[str]:
+    """The server-sent event lines of one stream item (:mod:`serve_app.stream_events`), the
+    one place they are written: :class:`Queued`, an SSE comment (``: queued position=N
+    eta_ms=M``, ignored by SSE clients); :class:`Admitted`, nothing; :class:`TextPiece`, the
+    reply's piece; :class:`Finished`, the piece with the finish reason and, with
+    ``include_usage``, the usage event; :class:`StreamError`, the error in-band."""
+    match event:
+        case Queued(position=position, eta_ms=eta_ms):
+            return [f": queued position={position}"
+                    f"{'' if eta_ms is None else f' eta_ms={eta_ms}'}\n\n"]
+        case Admitted():
+            return []
+        case TextPiece(text=text):
+            return [_sse(reply.piece(text, None))]
+        case Finished(finish_reason=finish_reason):
+            lines = [_sse(reply.piece("", finish_reason))]
+            if include_usage:
+                lines.append(_sse(reply.usage_event(event.prompt_tokens,
+                                                    event.completion_tokens)))
+            return lines
+        case StreamError(error=error):
+            return [_sse(_in_band(error))]
+    raise TypeError(f"not a stream event: {event!r}")
 
 
 def _sse(payload: dict[str, Any]) -> str:
@@ -170,10 +200,3 @@ def _in_band(err: ServeAppError) -> dict[str, Any]:
     if err.retry_after_ms is not None:
         body["error"]["retry_after_ms"] = err.retry_after_ms
     return body
-
-
-def _queued_comment(queued: dict[str, Any]) -> str:
-    """An SSE comment line (ignored by SSE clients): where a waiting stream stands."""
-    eta_ms = queued["eta_ms"]
-    return (f": queued position={queued['position']}"
-            f"{'' if eta_ms is None else f' eta_ms={eta_ms}'}\n\n")

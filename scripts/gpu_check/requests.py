@@ -12,6 +12,7 @@ from serve_app.errors import ServeAppError
 from serve_app.kinds import KINDS, build_request
 from serve_app.memory.cost_model import Shape
 from serve_app.request import GenerationParams, InferenceRequest
+from serve_app.stream_events import Admitted
 
 FIRST_ID = 4  # clear of the special tokens at the start of every vocabulary built here
 
@@ -58,8 +59,8 @@ async def answer(lifecycle: Any, request: InferenceRequest) -> tuple[str, bool]:
             return "ok", result.admitted.queue_position > 0
         queued = False
         async for item in lifecycle.infer_stream(request):
-            if "admitted" in item:
-                queued = item["admitted"].queue_position > 0
+            if isinstance(item, Admitted):
+                queued = item.queue_position > 0
         return "ok", queued
     except ServeAppError as exc:
         return f"{exc.status_code} {exc.code}", False

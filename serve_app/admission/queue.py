@@ -21,7 +21,6 @@ Semantics (README, "How admission works", step 4):
 
 from __future__ import annotations
 
-import enum
 import itertools
 import time
 from collections import OrderedDict, deque
@@ -36,22 +35,7 @@ from serve_app.admission.drain import (
     DrainRateEstimator,
     predicted_wait_s,
 )
-
-
-class Outcome(enum.StrEnum):
-    ADMITTED = "admitted"
-    QUEUED = "queued"
-    REJECTED = "rejected"
-
-
-class Reason(enum.StrEnum):
-    """Why a request was refused (the ``code`` of its HTTP error)."""
-
-    REQUEST_TOO_LARGE = "request_too_large"
-    QUEUE_FULL = "queue_full"
-    QUEUE_TIMEOUT = "queue_timeout"
-    PREDICTED_TIMEOUT = "predicted_timeout"  # its predicted wait exceeds the time it has
-    OOM = "oom"  # fits the measured budget, not the budget shrunk after an OOM
+from serve_app.outcomes import Outcome, Reason
 
 
 @dataclass(eq=False, kw_only=True)

@@ -134,14 +134,15 @@ async def completion_of(lifecycle, request):
     """What a replica's lifecycle answers for a completion (:class:`InferenceRequest`): its
     output, or, for a streamed one read to its end, the output its pieces make."""
     from serve_app.request import GenerationOutput
+    from serve_app.stream_events import Finished, TextPiece
 
     if not request.stream:
         return (await lifecycle.infer(request)).output
-    pieces, last = [], {}
+    pieces, last = [], None
     async for item in lifecycle.infer_stream(request):
-        if "text" in item:
-            pieces.append(item["text"])
-        elif "finish_reason" in item:
+        if isinstance(item, TextPiece):
+            pieces.append(item.text)
+        elif isinstance(item, Finished):
             last = item
-    return GenerationOutput("".join(pieces), last["finish_reason"], last["prompt_tokens"],
-                            last["completion_tokens"])
+    return GenerationOutput("".join(pieces), last.finish_reason, last.prompt_tokens,
+                            last.completion_tokens)

@@ -1,5 +1,6 @@
 """The shape of the code, held: lint clean, small files and functions, no kind or policy
-switched on by name outside its registry, no import cycles.
+switched on by name outside its registry, metric outcomes and reasons recorded from their
+enums only, no import cycles.
 
 Product code is ``serve_app/`` and ``deployments/``; tests, load tests and benchmarks are held
 to the lint and the import-cycle rule only.
@@ -8,12 +9,16 @@ to the lint and the import-cycle rule only.
 from __future__ import annotations
 
 import ast
+import enum
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from serve_app import outcomes
+from serve_app.metrics import SPECS
 
 REPO = Path(__file__).resolve().parents[2]
 PRODUCT = ("serve_app", "deployments")
@@ -83,6 +88,83 @@ def test_the_name_check_would_see_a_switch() -> None:
     tree = ast.parse("if args.model.task == 'fake': pass\nif policy.name != 'budget': pass\n"
                      "if kind in ('embed', 'generate'): pass\nif args.model.engine == wanted: pass")
     assert len(list(_named_comparisons(tree))) == 4
+
+
+LABELS = ("outcome", "reason")
+METRICS = {spec.name for spec in SPECS}
+# The enums of serve_app.outcomes, by name: what a metric's outcome or reason is built from.
+LABEL_ENUMS = {name for name, value in vars(outcomes).items()
+               if isinstance(value, type) and issubclass(value, enum.StrEnum)}
+
+
+def _spelled_out(value: ast.expr) -> list[ast.expr]:
+    """The string constants and f-strings ``value`` can evaluate to (through conditionals,
+    ``or``/``and`` and calls), not those it only compares against."""
+    if isinstance(value, ast.Constant) and isinstance(value.value, str):
+        return [value]
+    if isinstance(value, ast.JoinedStr):
+        return [value]
+    if isinstance(value, ast.IfExp):
+        return _spelled_out(value.body) + _spelled_out(value.orelse)
+    if isinstance(value, ast.BoolOp):
+        return [found for v in value.values for found in _spelled_out(v)]
+    if isinstance(value, ast.Call):
+        return [found for arg in (*value.args, *(k.value for k in value.keywords))
+                for found in _spelled_out(arg)]
+    return []
+
+
+def _of_an_enum(value: ast.expr) -> bool:
+    """Whether ``value`` is an enum member: ``Enum.MEMBER``, ``Enum(...)``,
+    ``Enum.of(...)``, or a conditional between such."""
+    if isinstance(value, ast.IfExp):
+        return _of_an_enum(value.body) and _of_an_enum(value.orelse)
+    target = value.func if isinstance(value, ast.Call) else value
+    if isinstance(target, ast.Attribute):
+        target = target.value
+    return isinstance(target, ast.Name) and target.id in LABEL_ENUMS
+
+
+def _labels_by_hand(tree: ast.AST) -> Iterator[str]:
+    """Every ``outcome=``/``reason=`` keyword of a call that spells a label out as a string,
+    and every such label of a metric call (``metrics.inc("admission_decisions", ...)``)
+    that is not an enum member."""
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        metric = (isinstance(node.func, ast.Attribute) and node.args
+                  and isinstance(node.args[0], ast.Constant)
+                  and node.args[0].value in METRICS)
+        for keyword in node.keywords:
+            if keyword.arg in LABELS and (_spelled_out(keyword.value) or (
+                    metric and not _of_an_enum(keyword.value))):
+                yield f"{node.lineno}: {keyword.arg}={ast.unparse(keyword.value)}"
+
+
+def test_metric_outcomes_and_reasons_come_from_their_enums() -> None:
+    """Every call site's outcome and reason is a member of :mod:`serve_app.outcomes`."""
+    found = [f"{relative(path)}:{where}" for path in python_files(*PRODUCT)
+             for where in _labels_by_hand(ast.parse(path.read_text()))]
+    assert not found
+    assert LABEL_ENUMS >= {"Outcome", "Reason", "AdmitReason", "CancelReason", "JobOutcome",
+                           "IdempotencyHit"}
+
+
+def test_the_label_check_would_see_a_string() -> None:
+    tree = ast.parse(
+        'metrics.inc("admission_decisions", outcome="rejected", reason=Reason.OOM)\n'
+        'metrics.inc("admission_decisions", 2, outcome=Outcome.REJECTED, reason=exc.code)\n'
+        'metrics.inc("jobs_finished", outcome="requeued" if s == "queued" else str(s))\n'
+        'metrics.inc("idempotency_hits", outcome=f"{action}d")\n'
+        'Decision(Outcome.REJECTED, 1, reason=code or "oom")\n'
+        # typed: none of these
+        'metrics.inc("admission_decisions", outcome=Outcome.ADMITTED,\n'
+        '            reason=AdmitReason.of(position))\n'
+        'metrics.inc("admission_decisions", outcome=Outcome.REJECTED, reason=Reason(exc.code))\n'
+        'metrics.inc("idempotency_hits", outcome=IdempotencyHit.COALESCED if action == "wait"\n'
+        '            else IdempotencyHit.REPLAYED)\n'
+        'log.event("finished", 1, outcome=outcome)\n')
+    assert [line.split(":")[0] for line in _labels_by_hand(tree)] == ["1", "2", "3", "4", "5"]
 
 
 def _module_name(path: Path) -> str:

@@ -23,6 +23,7 @@ from serve_app.admission.ticket import Ticket
 from serve_app.errors import InferenceTimeoutError, OverloadedError
 from serve_app.pricing import shape_bytes
 from serve_app.request import GenerationOutput, GenerationParams
+from serve_app.stream_events import Queued, TextPiece
 from tests.unit.conftest import assert_idle, completion_of
 from tests.unit.test_batcher import PER_TOKEN_BYTES, Replica, reference_engine, words
 
@@ -110,7 +111,7 @@ async def test_a_consumer_that_leaves_mid_stream_is_out_of_the_engine_within_a_s
         stream = replica.parts.lifecycle.infer_stream(request)
         pieces = 0
         async for item in stream:
-            pieces += "text" in item
+            pieces += isinstance(item, TextPiece)
             if pieces == 2:
                 break
         await stream.aclose()
@@ -184,7 +185,7 @@ async def test_a_stream_waiting_to_join_hears_its_place_then_its_refusal() -> No
         request = replica.request("generate", [words(3, 2)],
                                   GenerationParams(max_tokens=4, temperature=0.0), True)
         stream = replica.parts.lifecycle.infer_stream(request)
-        assert await stream.__anext__() == {"queued": {"position": 0, "eta_ms": None}}
+        assert await stream.__anext__() == Queued(position=0, eta_ms=None)
         with pytest.raises(OverloadedError) as refused:
             await stream.__anext__()
         assert refused.value.code == "queue_timeout"

@@ -88,14 +88,18 @@ def test_the_chat_route_s_streams_read_as_complete() -> None:
 
 
 def test_a_queued_stream_refused_in_band_carries_its_wait() -> None:
-    from deployments.routes.generation import _in_band, _queued_comment
+    from deployments.routes.completions import _Completion
+    from deployments.routes.generation import _in_band, render
     from serve_app.errors import OverloadedError
+    from serve_app.stream_events import Queued
 
     body = _in_band(OverloadedError("late", code="queue_timeout", retry_after_s=1.25))
     assert body["error"]["code"] == "queue_timeout" and body["error"]["retry_after_ms"] == 1250
-    assert _queued_comment({"position": 3, "eta_ms": 420}) == ": queued position=3 eta_ms=420\n\n"
-    assert _queued_comment({"position": 0, "eta_ms": None}) == ": queued position=0\n\n"
-    assert sse_data(_queued_comment({"position": 1, "eta_ms": 5})) == []  # ignored by clients
+    reply = _Completion("cmpl-1", 1, "m")
+    assert render(Queued(3, 420), reply, False) == [": queued position=3 eta_ms=420\n\n"]
+    assert render(Queued(0, None), reply, False) == [": queued position=0\n\n"]
+    [comment] = render(Queued(1, 5), reply, False)
+    assert sse_data(comment) == []  # ignored by clients
 
 
 # --- bodies, mixes, prices -----------------------------------------------------------------

@@ -18,6 +18,7 @@ import pytest
 from serve_app.errors import RequestTooLargeError
 from serve_app.request import GenerationParams, InferenceRequest
 from serve_app.schemas import InferenceResult
+from serve_app.stream_events import StreamError, TextPiece
 from tests.unit.test_batcher import LABELS, PER_TOKEN_BYTES, Replica, words
 
 GONE = {**LABELS, "outcome": "cancelled", "reason": "client_gone"}
@@ -58,7 +59,7 @@ async def test_a_refusal_is_returned_as_its_typed_error_and_logged_at_info(caplo
         "the request needs an estimated 32000 bytes of device memory, more than the "
         "replica's whole budget of 20000 bytes")
     [last] = streamed  # refused before its first item: only the error
-    assert isinstance(last["error"], RequestTooLargeError)
+    assert isinstance(last, StreamError) and isinstance(last.error, RequestTooLargeError)
     lines = _lines(caplog, "request refused:")
     assert [r.levelno for r in lines] == [logging.INFO, logging.INFO]
     assert [(r.code, r.status, r.estimated_bytes) for r in lines] == [
@@ -82,7 +83,7 @@ async def test_a_consumer_that_leaves_mid_stream_is_counted_gone_once(
     async def consume() -> None:
         pieces = 0
         async for item in stream:
-            pieces += "text" in item
+            pieces += isinstance(item, TextPiece)
             if pieces == 2:
                 two_pieces.set()
                 if leaves == "closes the stream":
