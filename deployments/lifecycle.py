@@ -21,7 +21,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from functools import partial
-from typing import Any
 
 from deployments.batching import RequestBatcher
 from deployments.decode_loop import DecodeLoop
