@@ -118,7 +118,7 @@ class ModelServer:
             context = RouteContext(args, RequestFactory(args, front_end), client=None,
                                    guard=None)
             routes = {route.path: route(context) for route in ROUTES
-                      if route.kind in self._replica.engine.kinds}
+                      if route.kind.name in self._replica.engine.kinds}
             self._jobs = JobWorker(await open_job_store(args, broker), self._replica, routes,
                                    replica_id, args.jobs)
         except Exception:

@@ -99,7 +99,7 @@ async def open_model_front(binding: ModelBinding, registry: DeploymentHandle,
         if args.jobs.enabled else None
     context = RouteContext(args, RequestFactory(args, front_end), client, guard, jobs, served)
     routes.update({route.path: route(context) for route in ROUTES
-                   if route.kind in engine.kinds})
+                   if route.kind.name in engine.kinds})
     front = ModelFront(args, engine, front_end, replicas, client, routes, jobs)
     served.add(front)
     return front
