@@ -102,6 +102,8 @@ async def open_model_front(binding: ModelBinding, registry: DeploymentHandle,
                    if route.kind.name in engine.kinds})
     front = ModelFront(args, engine, front_end, replicas, client, routes, jobs)
     served.add(front)
+    if jobs is not None:  # jobs stored by an earlier release, in the background
+        jobs.start_rebuilding()
     return front
 
 
