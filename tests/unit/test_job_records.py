@@ -27,6 +27,7 @@ from deployments.replica_view import ReplicaView
 from deployments.request_factory import RequestFactory
 from deployments.routes import ROUTES, RouteContext
 from serve_app.admission.policy import policy_class
+from serve_app.errors import InvalidRequestError
 from serve_app.jobs.config import JobsConfig
 from serve_app.jobs.payload import (
     StoredJob,
@@ -71,9 +72,8 @@ def test_a_record_gives_back_the_request_and_its_rendering() -> None:
     assert refusal == StoredRefusal(_too_long().to_body(), 400)
 
 
-def _too_long() -> Any:
-    from serve_app.errors import InvalidRequestError
-
+def _too_long() -> InvalidRequestError:
+    """The refusal of ``max_tokens: 100`` under ``limits.max_tokens: 62`` (the replica's)."""
     return InvalidRequestError("max_tokens=100 exceeds the limit of 62", code="max_tokens")
 
 
