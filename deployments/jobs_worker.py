@@ -81,18 +81,18 @@ class JobWorker:
         self._beat_at = -float("inf")
 
     async def run_forever(self) -> None:
-        """Pull and start jobs until cancelled. While Redis fails (restarting, or gone
-        before this replica at shutdown) it retries with a doubling pause up to
-        ``MAX_RETRY_PAUSE_S``, logging the first failure with its traceback and then one line
-        per pause."""
-        pause_s = self._config.poll_interval_s
+        """Pull and start jobs until cancelled, even when a call cancelled on its way lost
+        the cancellation (it finished, or raised an error of its own, as it came): the task is
+        still marked cancelling, and stops. While Redis fails (restarting, or gone before this
+        replica at shutdown) it retries with a doubling pause up to ``MAX_RETRY_PAUSE_S``,
+        logging the first failure with its traceback and then one line per pause."""
+        pause_s, task = self._config.poll_interval_s, asyncio.current_task()
         while True:
+            started = False
             try:
                 await self._beat()
                 started = await self._start_next()
                 pause_s = self._config.poll_interval_s
-                if started:
-                    continue
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -102,7 +102,10 @@ class JobWorker:
                     logger.warning("job worker: the job store still fails (%s); next try in "
                                    "%.1f s", exc, pause_s)
                 pause_s = min(MAX_RETRY_PAUSE_S, pause_s * 2)
-            await asyncio.sleep(pause_s)
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError
+            if not started:
+                await asyncio.sleep(pause_s)
 
     async def _beat(self) -> None:
         """Every third of ``heartbeat_ttl_s``: the heartbeat, orphans of gone replicas back

@@ -253,3 +253,39 @@ async def test_a_job_larger_than_the_whole_budget_fails_with_request_too_large(s
                    "replica's whole budget of 20000 bytes",
         "type": "invalid_request_error", "code": "request_too_large"}
     assert reserved == 0
+
+
+class LosesTheCancellation:
+    """A job store whose heartbeat, cancelled, returns as if it had finished (as a client
+    call may when the cancellation comes as it completes); nothing is queued."""
+
+    async def heartbeat(self, *args: Any) -> None:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            pass
+
+    async def recover_orphans(self) -> list[str]:
+        return []
+
+    async def queued_count(self) -> int:
+        return 0
+
+    async def head(self) -> None:
+        return None
+
+    def now(self) -> float:
+        return 0.0
+
+
+async def test_a_worker_stops_when_cancelled_even_if_a_call_lost_the_cancellation() -> None:
+    replica = SimpleNamespace(record_jobs_queued=lambda count: None,
+                              metrics=SimpleNamespace(set=lambda name, value: None),
+                              gate=SimpleNamespace(has_spare_room=lambda: True))
+    worker = JobWorker(LosesTheCancellation(), replica, "w1",  # type: ignore[arg-type]
+                       JobsConfig(poll_interval_s=30.0))
+    pulling = asyncio.ensure_future(worker.run_forever())
+    await asyncio.sleep(0.05)  # in its heartbeat
+    pulling.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(pulling, timeout=5.0)  # not after its 30 s pause
