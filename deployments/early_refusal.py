@@ -26,7 +26,6 @@ from deployments.http_middleware import BearerAuth, route_path
 from deployments.served_models import ModelFront, ServedModels
 from serve_app.client_wait import client_wait_limit_s, prefers_async
 from serve_app.errors import OverloadedError
-from serve_app.kinds import KINDS
 from serve_app.planning import SMALLEST_SHAPE
 
 
@@ -65,7 +64,6 @@ class EarlyRefusalMiddleware:
                 or not self._auth.accepts(path, headers.get("authorization", ""))):
             return None
         [front] = serving
-        kind = front.routes[path].kind
         error = await front.client.shape_refusal(SMALLEST_SHAPE, client_wait_limit_s(headers),
-                                                 KINDS[kind].generates)
+                                                 front.routes[path].kind.generates)
         return None if error is None else (front, error)

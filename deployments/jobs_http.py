@@ -3,16 +3,20 @@
 
 A job is validated, tokenized and priced at submission exactly as the route would do it
 (:meth:`~deployments.routes.base.Route.prepare`), so a bad body is a 400 now, not a failed
-job later; then it is stored in the app's Redis (:mod:`serve_app.jobs.store`) and answered
-``202 Accepted`` with ``Location: /v1/jobs/{id}`` and ``{id, status: "queued", position,
-eta_s}``. Model replicas pull jobs when they fit (:mod:`deployments.jobs_worker`). A queued
-job's ``eta_s`` is the time the replicas' drain rate needs for what they hold now and the
-prices of the jobs up to it (:meth:`JobsFront.with_eta`).
+job later; then it is stored in the app's Redis (:mod:`serve_app.jobs.store`) with that
+request and how its result renders (:mod:`serve_app.jobs.payload`), and answered ``202
+Accepted`` with ``Location: /v1/jobs/{id}`` and ``{id, status: "queued", position, eta_s}``.
+Model replicas pull jobs when they fit and run the stored request
+(:mod:`deployments.jobs_worker`). A queued job's ``eta_s`` is the time the replicas' drain
+rate needs for what they hold now and the prices of the jobs up to it
+(:meth:`JobsFront.with_eta`). Jobs stored by an earlier release carry their body alone: the
+ingress rebuilds their requests (:meth:`JobsFront.rebuild_stored`).
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the route signatures at run time.
+import asyncio
 import dataclasses
-import uuid
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,10 +29,19 @@ from deployments.idempotency_guard import checked_key
 from deployments.openapi import responses
 from deployments.replica_view import ReplicaView
 from deployments.routes.base import Route
-from serve_app.errors import InvalidRequestError, ModelNotFoundError, RequestTooLargeError
-from serve_app.jobs.store import JobStore
-from serve_app.jobs.view import JobView
+from serve_app.errors import (
+    InternalError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    RequestTooLargeError,
+    ServeAppError,
+)
+from serve_app.jobs.payload import encode_job, encode_refusal
+from serve_app.jobs.store import JobStore, new_job_id
+from serve_app.jobs.view import FINAL_STATUSES, JobView
 from serve_app.schemas import JobResponse
+
+logger = logging.getLogger("ray.serve")
 
 
 class JobRequest(BaseModel):
@@ -52,6 +65,7 @@ class JobsFront:
     def __init__(self, store: JobStore, routes: Mapping[str, Route],
                  replicas: ReplicaView) -> None:
         self._store, self._routes, self._replicas = store, routes, replicas
+        self._rebuilding: asyncio.Future[int] | None = None
 
     async def submit(self, path: str, body: BaseModel, request: Request) -> JSONResponse:
         """Store ``body`` for the route at ``path`` as a job; 202 with its ``Location`` (and
@@ -62,7 +76,8 @@ class JobsFront:
                 it exceeds every replica's whole budget; 422 for an Idempotency-Key used with
                 another body; 503 ``jobs_full``.
         """
-        prepared = await self._routes[path].prepare(body, uuid.uuid4().hex)
+        job_id = new_job_id()
+        prepared = await self._routes[path].prepare(body, job_id)
         units = await self._replicas.estimate(prepared.request.shape)
         budgets = [s.measured_budget_bytes for s in await self._replicas.states()]
         if units is not None and budgets and units > max(budgets):
@@ -71,7 +86,9 @@ class JobsFront:
                 f"any replica's whole budget ({max(budgets)} bytes)")
         key = request.headers.get("idempotency-key")
         job, created = await self._store.submit(
-            path, body.model_dump_json(exclude_unset=True), b"", units or 0, checked_key(key))
+            path, body.model_dump_json(exclude_unset=True),
+            encode_job(prepared.request, prepared.render), units or 0, checked_key(key),
+            job_id)
         job = await self.with_eta(await self._store.get(job.id) or job)
         headers = {"Location": f"/v1/jobs/{job.id}"}
         if not created:  # the key's job, as for any replayed Idempotency-Key
@@ -79,9 +96,49 @@ class JobsFront:
         return JSONResponse(job.to_body(), status_code=202, headers=headers)
 
     async def show(self, job_id: str) -> JobView | None:
-        """The job now (``None`` when unknown here or expired)."""
+        """The job now (``None`` when unknown here or expired); one stored by an earlier
+        release is rebuilt first (:meth:`rebuild_stored`)."""
         job = await self._store.get(job_id)
+        if job is not None and not job.request and job.status not in FINAL_STATUSES:
+            await self._rebuild(job)
         return None if job is None else await self.with_eta(job)
+
+    def start_rebuilding(self) -> None:
+        """Run :meth:`rebuild_stored` in the background (the ingress serves meanwhile; a
+        replica leaves such a job at the queue's head until it is rebuilt, for
+        :data:`deployments.jobs_worker.UNREADABLE_WAIT_S`)."""
+        self._rebuilding = asyncio.ensure_future(self.rebuild_stored())
+        self._rebuilding.add_done_callback(_log_rebuild)
+
+    async def rebuild_stored(self) -> int:
+        """Give every queued or running job stored by an earlier release, which kept the
+        client's body alone (record format 1, :mod:`serve_app.jobs.payload`), the request
+        its route builds from that body now, as at submission: the model replicas then run
+        it. A body the route refuses now is stored as that refusal (the job fails with it
+        when a replica takes it, as it did before). Returns how many were rebuilt."""
+        rebuilt = 0
+        for job_id in await self._store.without_request():
+            job = await self._store.get(job_id)
+            if job is not None and job.status not in FINAL_STATUSES:
+                rebuilt += await self._rebuild(job)
+        return rebuilt
+
+    async def _rebuild(self, job: JobView) -> bool:
+        """Store the request of ``job`` (format 1) rebuilt from its body; whether it was
+        stored (not if it finished, or was rebuilt, meanwhile)."""
+        route = self._routes.get(job.route)
+        try:
+            if route is None:
+                raise InternalError(f"this app serves no route {job.route}")
+            try:
+                body = route.body_model.model_validate_json(job.body_json)
+            except ValidationError as exc:
+                raise InvalidRequestError(f"the job's body is not valid: {exc}") from None
+            prepared = await route.prepare(body, job.id)
+            record = encode_job(prepared.request, prepared.render)
+        except ServeAppError as exc:
+            record = encode_refusal(exc)
+        return await self._store.set_request(job.id, record)
 
     async def with_eta(self, job: JobView) -> JobView:
         """A queued ``job`` with ``eta_s``: what the replicas hold now and the prices of the
@@ -156,6 +213,16 @@ class JobsRoutes:
             if front.jobs is not None and (job := await call(front.jobs, job_id)) is not None:
                 return job
         return None
+
+
+def _log_rebuild(task: asyncio.Future[int]) -> None:
+    if task.cancelled():
+        return
+    if (failure := task.exception()) is not None:
+        logger.error("durable jobs: the jobs stored by an earlier release could not be "
+                     "rebuilt (%s); a replica fails them after a while", failure)
+    elif rebuilt := task.result():
+        logger.info("durable jobs: %d jobs stored by an earlier release rebuilt", rebuilt)
 
 
 def _found(job: JobView | None, job_id: str) -> JobView:

@@ -2,17 +2,21 @@
 Redis only when the job's price fits the replica's budget now, so a job never gets a 503 for
 memory: it waits in the durable queue instead.
 
-Jobs yield to requests answered at once: a replica pulls only while nobody waits in its
-admission queue and its inference thread's backlog is under half of
-``admission.max_queue_wait_s``. It prices the job as it prices any request (the route's own
-:meth:`~deployments.routes.base.Route.prepare`, then its cost model and policy), reserves the
-lease, then claims the job (one claimer wins, :meth:`JobStore.claim`), and runs it through the
-request lifecycle with that lease: batching, timeouts, OOM handling and lease accounting are
-the same as for any request. A transient refusal (503) puts the job back at the queue's head;
-a 4xx or 5xx fails it with the route's error body; an outcome the store cannot take now (its
-Redis restarting) is written again until it can. Heartbeats tell others the replica is
-alive; a replica that stops beating has its running jobs queued again by the others
-(:meth:`JobStore.recover_orphans`).
+Jobs yield to requests answered at once: a replica pulls only while its admission controller
+has spare room (:meth:`AdmissionController.has_spare_room`: nobody waits in its admission
+queue and its inference thread's backlog is under half of ``admission.max_queue_wait_s``).
+The job's record holds its request as the ingress validated, tokenized and priced it, and how
+its result renders (:mod:`serve_app.jobs.payload`): the replica prices that request as it
+prices any request (its cost model and policy), takes the lease from the controller
+(:meth:`AdmissionController.spare_lease`), then claims the job (one claimer wins,
+:meth:`JobStore.claim`), and runs it through the request lifecycle with that lease: batching,
+timeouts, OOM handling and lease accounting are the same as for any request. A transient
+refusal (503) puts the job back at the queue's head; a 4xx or 5xx fails it with the error
+body; an outcome the store cannot take now (its Redis restarting) is written again until it
+can. A record it cannot read (stored by an earlier release and not rebuilt by an ingress yet,
+or by another release) stays at the head for ``UNREADABLE_WAIT_S``, then fails with 500
+``job_format``. Heartbeats tell others the replica is alive; a replica that stops beating
+has its running jobs queued again by the others (:meth:`JobStore.recover_orphans`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -31,10 +36,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from deployments.replica import Replica
-from deployments.routes.base import Prepared, Route
 from serve_app.admission.controller import Admission
-from serve_app.errors import InternalError, OverloadedError, RequestTooLargeError, ServeAppError
+from serve_app.errors import InternalError, OverloadedError, ServeAppError
 from serve_app.jobs.config import JobsConfig
+from serve_app.jobs.payload import StoredJob, StoredRefusal, UnreadableJobError, decode
 from serve_app.jobs.store import JobStore
 from serve_app.jobs.view import JobView
 from serve_app.outcomes import JobOutcome
@@ -44,6 +49,17 @@ logger = logging.getLogger("ray.serve")
 
 MAX_RETRY_PAUSE_S = 10.0
 """Longest pause between two tries while the job store fails."""
+UNREADABLE_WAIT_S = 60.0
+"""How long a job whose record this replica cannot read stays at the queue's head, for an
+ingress to rebuild it (:meth:`deployments.jobs_http.JobsFront.rebuild_stored`) or a replica
+of its release to take it, before it fails with 500 ``job_format``."""
+
+
+@dataclass(frozen=True)
+class _Unreadable:
+    """The head's record could not be read, first at ``since`` (the worker's clock)."""
+
+    since: float
 
 
 class JobWorker:
@@ -52,33 +68,32 @@ class JobWorker:
     Args:
         store: the app's job store.
         replica: the replica (its gate, prices, lifecycle).
-        routes: the routes jobs may name, by path, built on the replica's own request
-            factory.
         worker_id: the replica's id (its heartbeat and running list).
         config: ``jobs.*``.
+        clock: monotonic seconds (injected for tests).
     """
 
-    def __init__(self, store: JobStore, replica: Replica, routes: Mapping[str, Route],
-                 worker_id: str, config: JobsConfig) -> None:
-        self._store, self._replica, self._routes = store, replica, routes
-        self._worker_id, self._config = worker_id, config
+    def __init__(self, store: JobStore, replica: Replica, worker_id: str, config: JobsConfig,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._store, self._replica = store, replica
+        self._worker_id, self._config, self._clock = worker_id, config, clock
         self._running: set[asyncio.Task] = set()
-        self._prepared: tuple[str, Prepared | ServeAppError] | None = None
+        self._head: tuple[str, StoredJob | StoredRefusal | _Unreadable] | None = None
         self._beat_at = -float("inf")
 
     async def run_forever(self) -> None:
-        """Pull and start jobs until cancelled. While Redis fails (restarting, or gone
-        before this replica at shutdown) it retries with a doubling pause up to
-        ``MAX_RETRY_PAUSE_S``, logging the first failure with its traceback and then one line
-        per pause."""
-        pause_s = self._config.poll_interval_s
+        """Pull and start jobs until cancelled, even when a call cancelled on its way lost
+        the cancellation (it finished, or raised an error of its own, as it came): the task is
+        still marked cancelling, and stops. While Redis fails (restarting, or gone before this
+        replica at shutdown) it retries with a doubling pause up to ``MAX_RETRY_PAUSE_S``,
+        logging the first failure with its traceback and then one line per pause."""
+        pause_s, task = self._config.poll_interval_s, asyncio.current_task()
         while True:
+            started = False
             try:
                 await self._beat()
                 started = await self._start_next()
                 pause_s = self._config.poll_interval_s
-                if started:
-                    continue
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -88,7 +103,10 @@ class JobWorker:
                     logger.warning("job worker: the job store still fails (%s); next try in "
                                    "%.1f s", exc, pause_s)
                 pause_s = min(MAX_RETRY_PAUSE_S, pause_s * 2)
-            await asyncio.sleep(pause_s)
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError
+            if not started:
+                await asyncio.sleep(pause_s)
 
     async def _beat(self) -> None:
         """Every third of ``heartbeat_ttl_s``: the heartbeat, orphans of gone replicas back
@@ -100,84 +118,88 @@ class JobWorker:
         await self._store.heartbeat(self._worker_id, self._config.heartbeat_ttl_s)
         if recovered := await self._store.recover_orphans():
             logger.info("job worker: %d jobs of gone replicas queued again", len(recovered))
-        self._replica.jobs_queued = await self._store.queued_count()
+        queued = await self._store.queued_count()
+        self._replica.record_jobs_queued(queued)
         head = await self._store.head()
         metrics = self._replica.metrics
-        metrics.set("job_queue_depth", self._replica.jobs_queued)
+        metrics.set("job_queue_depth", queued)
         metrics.set("job_queue_oldest_age_seconds",
                     0.0 if head is None else max(0.0, self._store.now() - head.created_at))
 
-    def _room(self) -> bool:
-        """Whether jobs may start now: nobody waits for a lease and the thread is free
-        enough."""
-        replica = self._replica
-        return replica.gate.queue.queue_depth == 0 \
-            and replica.thread_wait_s() < replica.args.admission.max_queue_wait_s / 2
-
     async def _start_next(self) -> bool:
         """Start the queue's head if it fits now; whether another try may follow at once."""
-        if not self._room():
+        gate = self._replica.gate
+        if not gate.has_spare_room():
             return False
         job = await self._store.head()
         if job is None:
             return False
-        prepared = await self._prepare(job)
-        if isinstance(prepared, ServeAppError):
-            return await self._refuse(job, prepared)
-        replica = self._replica
-        units = replica.policy.units(shape_bytes(replica.cost_model, prepared.request.shape))
-        if units > replica.gate.queue.max_budget_bytes:
-            return await self._refuse(job, RequestTooLargeError(
-                f"the job needs an estimated {units} bytes of device memory, more than the "
-                f"replica's whole budget of {replica.gate.queue.max_budget_bytes} bytes"))
-        if not self._room():
+        stored = self._read(job)
+        if isinstance(stored, StoredRefusal):
+            return await self._refuse(job, json.dumps(stored.error), stored.status_code)
+        if stored is None:
             return False
-        lease = replica.gate.budget.try_reserve(units)
+        replica = self._replica
+        units = replica.policy.units(shape_bytes(replica.cost_model, stored.request.shape))
+        try:
+            lease = gate.spare_lease(units, job.id)
+        except ServeAppError as exc:
+            return await self._refuse(job, json.dumps(exc.to_body()), exc.status_code)
         if lease is None:
             return False
         claimed = await self._store.claim(job.id, self._worker_id)
         if claimed is None:  # another replica took it, or it was cancelled
-            replica.gate.release(lease, ran=False)
+            gate.release(lease.lease, ran=False)
             return True
-        task = asyncio.ensure_future(self._run(claimed, prepared, Admission(lease, 0.0, 0,
-                                                                            claimed.id)))
+        task = asyncio.ensure_future(self._run(claimed, stored, lease))
         self._running.add(task)
         task.add_done_callback(self._finished_task)
         self._replica.metrics.set("running_jobs", len(self._running))
         return True
 
+    def _read(self, job: JobView) -> StoredJob | StoredRefusal | None:
+        """What the head ``job`` runs (read once while it stays the head; a completion
+        stamped ``created`` then, as the route does when it prepares a request), or why it
+        cannot run; ``None`` while a record this replica cannot read waits to be rebuilt
+        (:data:`UNREADABLE_WAIT_S`)."""
+        if self._head is None or self._head[0] != job.id:
+            try:
+                stored: StoredJob | StoredRefusal | _Unreadable = decode(job.request)
+            except UnreadableJobError as exc:
+                logger.warning("job %s: its record cannot be read here (%s); it waits %g s "
+                               "for an ingress to rebuild it", job.id, exc, UNREADABLE_WAIT_S)
+                stored = _Unreadable(self._clock())
+            if isinstance(stored, StoredJob):
+                stored = StoredJob(stored.request, stored.render.as_of(int(time.time())))
+            self._head = (job.id, stored)
+        stored = self._head[1]
+        if not isinstance(stored, _Unreadable):
+            return stored
+        if self._clock() - stored.since < UNREADABLE_WAIT_S:
+            return None
+        error = InternalError(
+            "this job was stored by another release of vramgate, and no ingress of this "
+            f"release rebuilt it within {UNREADABLE_WAIT_S:g} s; submit it again",
+            code="job_format")
+        return StoredRefusal(error.to_body(), error.status_code)
+
     def _finished_task(self, task: asyncio.Task) -> None:
         self._running.discard(task)
         self._replica.metrics.set("running_jobs", len(self._running))
 
-    async def _prepare(self, job: JobView) -> Prepared | ServeAppError:
-        """The job's request (kept for the head while it waits), or why it cannot run."""
-        if self._prepared is not None and self._prepared[0] == job.id:
-            return self._prepared[1]
-        route = self._routes.get(job.route)
-        try:
-            if route is None:
-                raise InternalError(f"this app serves no route {job.route}")
-            body = route.body_model.model_validate_json(job.body_json)
-            prepared: Prepared | ServeAppError = await route.prepare(body, job.id)
-        except ServeAppError as exc:
-            prepared = exc
-        self._prepared = (job.id, prepared)
-        return prepared
-
-    async def _refuse(self, job: JobView, error: ServeAppError) -> bool:
+    async def _refuse(self, job: JobView, error_json: str, status_code: int) -> bool:
+        """Fail ``job`` with the error body ``error_json`` (if it is still queued)."""
         if await self._store.claim(job.id, self._worker_id) is not None:
-            await self._store.fail(job.id, self._worker_id, json.dumps(error.to_body()),
-                                   error.status_code)
+            await self._store.fail(job.id, self._worker_id, error_json, status_code)
         return True
 
-    async def _run(self, job: JobView, prepared: Prepared, admission: Admission) -> None:
+    async def _run(self, job: JobView, stored: StoredJob, admission: Admission) -> None:
         """Run a claimed job with its lease; record its outcome (a 503 queues it again)."""
         store, worker = self._store, self._worker_id
         outcome: Callable[[], Awaitable[Any]]
         try:
-            result = await self._replica.lifecycle.infer(prepared.request, admission)
-            body: Any = prepared.render(result)
+            result = await self._replica.lifecycle.infer(stored.request, admission)
+            body: Any = stored.render(result)
         except OverloadedError:
             outcome = partial(store.requeue, job.id, worker)
         except ServeAppError as exc:

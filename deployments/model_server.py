@@ -22,15 +22,12 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from deployments.engines.registry import engine_class
 from deployments.fail_fast import REFUSALS, refusal_text, stop_serve_run_with
 from deployments.job_broker import open_job_store
 from deployments.jobs_worker import JobWorker
 from deployments.profiling import measure_replica
 from deployments.registry import publish_forever
 from deployments.replica import Replica, ReplicaIdentity
-from deployments.request_factory import RequestFactory
-from deployments.routes import ROUTES, RouteContext
 from serve_app.config import AppArgs, parse_args
 from serve_app.errors import ServeAppError
 from serve_app.measurement import allocator_setting
@@ -112,15 +109,10 @@ class ModelServer:
 
     async def _pull_jobs(self, args: AppArgs, broker: DeploymentHandle | None,
                          replica_id: str) -> None:
-        """Connect to the job store, then pull jobs (:class:`JobWorker`) until cancelled,
-        with the routes built on the replica's own request factory."""
+        """Connect to the job store, then pull jobs (:class:`JobWorker`: each runs the
+        request its record carries, as the ingress built it) until cancelled."""
         try:
-            front_end = await asyncio.to_thread(engine_class(args).front_end, args)
-            context = RouteContext(args, RequestFactory(args, front_end), client=None,
-                                   guard=None)
-            routes = {route.path: route(context) for route in ROUTES
-                      if route.kind in self._replica.engine.kinds}
-            self._jobs = JobWorker(await open_job_store(args, broker), self._replica, routes,
+            self._jobs = JobWorker(await open_job_store(args, broker), self._replica,
                                    replica_id, args.jobs)
         except Exception:
             logger.exception("durable jobs: this replica cannot reach the job store; it "

@@ -79,7 +79,7 @@ class Replica:
                  prior_drain_bytes_per_s: float | None = None) -> None:
         adm = args.admission
         self.args, self.engine, self.probe, self.identity = args, engine, probe, identity
-        self.jobs_queued = 0  # the app's durable queue as last read (deployments.jobs_worker)
+        self._jobs_queued = 0
         self.metrics = metrics
         self.cost_model = CorrectedCostModel(cost_model)
         self.policy = make_policy(adm, budget_bytes)
@@ -133,6 +133,16 @@ class Replica:
                        level=logging.WARNING if failed else logging.INFO,
                        status=err.status_code, code=err.code)
         return err
+
+    @property
+    def jobs_queued(self) -> int:
+        """The model's durable jobs waiting, as last read (:meth:`record_jobs_queued`)."""
+        return self._jobs_queued
+
+    def record_jobs_queued(self, count: int) -> None:
+        """Record the length of the model's durable job queue (the job worker reads it),
+        which the replica's state reports to the autoscaler."""
+        self._jobs_queued = count
 
     def thread_wait_s(self) -> float:
         """Seconds a request admitted now would wait for the inference thread (for the

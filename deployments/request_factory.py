@@ -13,7 +13,7 @@ from deployments.engines.audio import decode_audio
 from deployments.engines.base import FrontEnd
 from serve_app.config import AppArgs
 from serve_app.errors import InvalidRequestError
-from serve_app.kinds import KINDS, build_request
+from serve_app.kinds import RequestKind, build_request
 from serve_app.request import (
     EmbeddingParams,
     GenerationParams,
@@ -35,19 +35,14 @@ class RequestFactory:
     def __init__(self, args: AppArgs, front_end: FrontEnd) -> None:
         self._args, self._front = args, front_end
 
-    def check(self, kind: str, inputs: int, params: RequestParams = None) -> None:
-        """The checks that need no tokens (``limits.max_inputs``, ``limits.max_tokens``).
-
-        Raises:
-            InvalidRequestError: naming the field.
-        """
-        KINDS[kind].check_inputs(inputs, params, self._args.limits)
-
-    async def build(self, kind: str, inputs: Sequence[str | Sequence[int]],
+    async def build(self, kind: RequestKind, inputs: Sequence[str | Sequence[int]],
                     params: RequestParams = None, stream: bool = False, *,
                     field: str | None = None, truncate: bool = False,
                     input_type: str | None = None) -> InferenceRequest:
-        """Validate, tokenize (off the event loop) and price one request of ``kind``.
+        """Validate, tokenize (off the event loop) and price one request of ``kind``: the
+        checks that need no tokens (``limits.max_inputs``, ``limits.max_tokens``:
+        :meth:`RequestKind.check_inputs`) first, once, then the rest
+        (:func:`serve_app.kinds.build_request`).
 
         Args:
             inputs: texts, or token-id lists (not mixed).
@@ -63,7 +58,7 @@ class RequestFactory:
             InvalidRequestError: a limit is exceeded, a token id is outside the vocabulary,
                 or ``input_type`` is not the model's (``code`` names the field).
         """
-        self.check(kind, len(inputs), params)
+        kind.check_inputs(len(inputs), params, self._args.limits)
         front = self._front
         if all(isinstance(item, str) for item in inputs):
             texts, prompt_tokens = front.prompted(inputs, input_type)
@@ -74,35 +69,36 @@ class RequestFactory:
                                       code="input_type")
         else:
             ids = token_id_inputs(inputs, front.vocab_size, front.special,
-                                  field or KINDS[kind].field)
+                                  field or kind.field)
         if truncate:
             limit = min(self._args.limits.max_input_tokens, front.max_seq_tokens)
             ids = [front.special.truncated(one, limit) for one in ids]
         return build_request(kind, ids, params, stream, self._args, front.max_seq_tokens,
-                             field)
+                             field, inputs_checked=True)
 
-    async def build_chat(self, messages: Sequence[dict[str, str]], params: GenerationParams,
-                         stream: bool = False) -> InferenceRequest:
-        """A ``generate`` request of the conversation ``messages`` rendered by the model's
-        chat template (front end ``chat_ids``, off the event loop), taken as it renders it
-        (no special tokens added).
+    async def build_chat(self, kind: RequestKind, messages: Sequence[dict[str, str]],
+                         params: GenerationParams, stream: bool = False) -> InferenceRequest:
+        """A request of ``kind`` (a generating one) of the conversation ``messages``
+        rendered by the model's chat template (front end ``chat_ids``, off the event loop),
+        taken as it renders it (no special tokens added); checked as :meth:`build`.
 
         Raises:
             InvalidRequestError: no chat template, or a limit is exceeded.
         """
-        self.check("generate", 1, params)
+        kind.check_inputs(1, params, self._args.limits)
         ids = await asyncio.to_thread(self._front.chat_ids, messages)
-        return build_request("generate", [ids], params, stream, self._args,
-                             self._front.max_seq_tokens, field="messages")
+        return build_request(kind, [ids], params, stream, self._args,
+                             self._front.max_seq_tokens, field="messages", inputs_checked=True)
 
-    async def build_transcription(self, kind: str, data: bytes, prompt: str,
+    async def build_transcription(self, kind: RequestKind, data: bytes, prompt: str,
                                   language: str | None, temperature: float,
                                   response_format: str,
                                   name: str = "the file") -> InferenceRequest:
         """A request of ``kind`` (``transcribe``) for the audio file ``data``: decoded and
         resampled to 16 kHz (:func:`deployments.engines.audio.decode_audio`, off the event
         loop; ``name``: what its refusals call the file), its ``language`` checked (front
-        end ``check_language``), its ``prompt`` tokenized, priced by its length.
+        end ``check_language``), its ``prompt`` tokenized, priced by its length
+        (:func:`serve_app.kinds.build_request`, as every kind).
 
         Raises:
             BodyTooLargeError: the file is over ``limits.max_audio_bytes`` (413).
@@ -115,5 +111,5 @@ class RequestFactory:
                                         name=name)
         [ids] = await asyncio.to_thread(self._front.tokenize, [prompt])
         params = TranscriptionParams(audio, prompt, language, temperature, response_format)
-        return KINDS[kind].build(ids, params, self._args,  # type: ignore[attr-defined]
-                                 self._front.max_seq_tokens)
+        return build_request(kind, [ids], params, False, self._args,
+                             self._front.max_seq_tokens)

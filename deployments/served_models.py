@@ -99,10 +99,12 @@ async def open_model_front(binding: ModelBinding, registry: DeploymentHandle,
         if args.jobs.enabled else None
     context = RouteContext(args, RequestFactory(args, front_end), client, guard, jobs, served)
     routes.update({route.path: route(context) for route in ROUTES
-                   if route.kind in engine.kinds})
+                   if route.kind.name in engine.kinds})
     front = ModelFront(args=args, engine=engine, front_end=front_end, replicas=replicas,
                        client=client, routes=routes, jobs=jobs)
     served.add(front)
+    if jobs is not None:  # jobs stored by an earlier release, in the background
+        jobs.start_rebuilding()
     return front
 
 

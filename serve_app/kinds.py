@@ -86,6 +86,17 @@ class RequestKind:
         its longest input)."""
         return max(request.token_counts)
 
+    def priced_shape(self, token_counts: Sequence[int], params: RequestParams,
+                     batchable: bool, args: AppArgs, max_input_tokens: int) -> Shape:
+        """The shape a request of ``token_counts`` is priced at: its inputs, its longest
+        input and its new tokens, padded (:func:`serve_app.pricing.priced_tokens`) when it
+        is ``batchable``, so that requests of similar length share a pass within their
+        leases."""
+        pad, new = args.batching.pad_to_multiple_of, self.new_tokens(params)
+        return Shape(len(token_counts),
+                     priced_tokens(token_counts, batchable, pad, max_input_tokens),
+                     priced_tokens([new], batchable, pad, args.limits.max_tokens) if new else 0)
+
 
 class EmbedKind(RequestKind):
     """``POST /v1/embeddings``: 1..``limits.max_inputs`` inputs, embedded in one pass."""
@@ -253,20 +264,10 @@ class TranscribeKind(RequestKind):
         assert isinstance(request.params, TranscriptionParams)
         return audio_frames(len(request.params.audio))
 
-    def build(self, prompt_ids: Sequence[int], params: TranscriptionParams, args: AppArgs,
-              max_seq_tokens: int) -> InferenceRequest:
-        """The validated, priced request of one decoded file (``params.audio``) and its
-        prompt's token ids.
-
-        Raises:
-            InvalidRequestError: the audio is longer than ``limits.max_audio_s`` or the
-                prompt longer than the model reads (``code``: ``file``, ``prompt``).
-        """
-        self.check_inputs(1, params, args.limits)
-        self.check_tokens([len(prompt_ids)], params, max_seq_tokens, max_seq_tokens)
-        shape = Shape(1, audio_frames(len(params.audio)), 0)
-        return InferenceRequest(self.name, (tuple(prompt_ids),), shape, params, stream=False,
-                                batch_key=self.batch_key(1, params, False, args.batching))
+    def priced_shape(self, token_counts: Sequence[int], params: RequestParams,
+                     batchable: bool, args: AppArgs, max_input_tokens: int) -> Shape:
+        assert isinstance(params, TranscriptionParams)
+        return Shape(1, audio_frames(len(params.audio)), 0)
 
 
 KINDS: dict[str, RequestKind] = {kind.name: kind
@@ -297,23 +298,27 @@ def context_problems(limits: LimitsConfig, kinds: Sequence[str],
             if (problem := KINDS[kind].context_problem(limits, *context))]
 
 
-def build_request(kind: str, input_ids: Sequence[Sequence[int]],
+def build_request(kind: RequestKind | str, input_ids: Sequence[Sequence[int]],
                   params: RequestParams, stream: bool, args: AppArgs,
-                  max_seq_tokens: int, field: str | None = None) -> InferenceRequest:
-    """Validate a tokenized request and price it: the one place a request becomes an
-    :class:`InferenceRequest`. ``max_seq_tokens``: the model's context (tokens); inputs are
-    limited to ``min(limits.max_input_tokens, max_seq_tokens)``; ``field``: the request field
-    the inputs came from, for messages (default: the kind's).
+                  max_seq_tokens: int, field: str | None = None, *,
+                  inputs_checked: bool = False) -> InferenceRequest:
+    """Validate a tokenized request and price it: the one place a request of any kind
+    becomes an :class:`InferenceRequest`. ``kind``: the :class:`RequestKind` (or its name);
+    ``max_seq_tokens``: the model's context (tokens); inputs are limited to
+    ``min(limits.max_input_tokens, max_seq_tokens)``; ``field``: the request field the inputs
+    came from, for messages (default: the kind's); ``inputs_checked``: the caller ran the
+    kind's :meth:`~RequestKind.check_inputs` before tokenizing (the ingress's request
+    factory), so it is not run twice.
 
-    A batchable request is priced padded (:func:`serve_app.pricing.priced_tokens`) so that
-    requests of similar length share a pass within their leases.
+    A batchable request is priced padded (:meth:`RequestKind.priced_shape`).
 
     Raises:
         InvalidRequestError: a limit is exceeded (``code`` names the field).
     """
-    spec = KINDS[kind]
+    spec = KINDS[kind] if isinstance(kind, str) else kind
     limits = args.limits
-    spec.check_inputs(len(input_ids), params, limits)
+    if not inputs_checked:
+        spec.check_inputs(len(input_ids), params, limits)
     max_input_tokens = min(limits.max_input_tokens, max_seq_tokens)
     counts = [len(ids) for ids in input_ids]
     spec.check_tokens(counts, params, max_input_tokens, max_seq_tokens, field)
@@ -321,9 +326,6 @@ def build_request(kind: str, input_ids: Sequence[Sequence[int]],
     # A completion on continuous batching shares steps whatever its key: priced padded too,
     # so that its lease covers whole KV blocks (deployments.engines.stepping).
     batchable = key is not None or (spec.generates and args.batching.continuous)
-    pad = args.batching.pad_to_multiple_of
-    new = spec.new_tokens(params)
-    shape = Shape(len(counts), priced_tokens(counts, batchable, pad, max_input_tokens),
-                  priced_tokens([new], batchable, pad, limits.max_tokens) if new else 0)
-    return InferenceRequest(kind, tuple(tuple(ids) for ids in input_ids), shape, params,
+    shape = spec.priced_shape(counts, params, batchable, args, max_input_tokens)
+    return InferenceRequest(spec.name, tuple(tuple(ids) for ids in input_ids), shape, params,
                             stream=stream, batch_key=key)

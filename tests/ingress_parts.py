@@ -48,7 +48,7 @@ def ingress_app(args: AppArgs, replicas: Any = None, factory: Any = None,
             args.admission.policy), wait_s, model=args.model.name), wait_s, metrics)
     ingress._models = ServedModels()
     context = RouteContext(args, factory, client, guard, None, ingress._models)
-    routes = {R.path: R(context) for R in ROUTES if R.kind in engine.kinds}
+    routes = {R.path: R(context) for R in ROUTES if R.kind.name in engine.kinds}
     ingress._models.add(ModelFront(args=args, engine=engine, front_end=None, replicas=replicas,
                                    client=client, routes=routes, jobs=None))
     ingress._args, ingress._jobs, ingress._model_args = args, None, [args]

@@ -15,6 +15,7 @@ from deployments.request_factory import RequestFactory
 from serve_app.client_wait import client_wait_limit_s, prefers_async
 from serve_app.config import AppArgs
 from serve_app.errors import ModelNotFoundError
+from serve_app.kinds import RequestKind
 from serve_app.request import InferenceRequest
 from serve_app.schemas import InferenceResult
 
@@ -53,7 +54,9 @@ class RouteContext:
 @dataclass(frozen=True)
 class Prepared:
     """A route's request, validated and built, and how its result becomes the route's
-    response body (``render``: :class:`~serve_app.schemas.InferenceResult` -> JSON body)."""
+    response body (``render``: :class:`~serve_app.schemas.InferenceResult` -> JSON body; a
+    :class:`~serve_app.responses.ResponseBody` for every route a durable job may name, which
+    is stored with the job)."""
 
     request: InferenceRequest
     render: Callable[[InferenceResult], dict[str, Any]]
@@ -63,14 +66,15 @@ class Route:
     """One OpenAI-compatible inference route of one request kind.
 
     A route's work is :meth:`prepare` (validate, build, and say how the result renders):
-    the same for a request answered at once (:meth:`respond`) and for one run as a durable
-    job (:mod:`deployments.jobs_worker`), so that a job's result is the route's normal body.
+    the same for a request answered at once (:meth:`respond`) and for one submitted as a
+    durable job (:mod:`deployments.jobs_http`, which stores what it prepared for the model
+    replica), so that a job's result is the route's normal body.
 
     Args:
         context: the ingress's parts.
     """
 
-    kind: ClassVar[str]
+    kind: ClassVar[RequestKind]
     path: ClassVar[str]
     body_model: ClassVar[type[BaseModel]]
 

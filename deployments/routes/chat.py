@@ -8,9 +8,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from deployments.routes.generation import GenerationRoute, Reply, usage
+from deployments.routes.generation import GenerationRoute, Reply
 from serve_app.chat import ChatCompletionRequest, ChatCompletionResponse
-from serve_app.request import GenerationOutput, GenerationParams, InferenceRequest
+from serve_app.request import GenerationParams, InferenceRequest
+from serve_app.responses import ChatCompletionBody, usage
 
 
 class ChatCompletionsRoute(GenerationRoute):
@@ -21,6 +22,7 @@ class ChatCompletionsRoute(GenerationRoute):
     body_model = ChatCompletionRequest
     path = "/v1/chat/completions"
     response_model = ChatCompletionResponse
+    whole_body = ChatCompletionBody
     stream_events = ("each event's data is a ChatCompletionChunk: the role first, then "
                      "content deltas, then the finish_reason")
 
@@ -34,7 +36,8 @@ class ChatCompletionsRoute(GenerationRoute):
 
     async def build(self, body: ChatCompletionRequest, params: GenerationParams,
                     stream: bool) -> InferenceRequest:
-        return await self.context.factory.build_chat(body.rendered_messages(), params, stream)
+        return await self.context.factory.build_chat(self.kind, body.rendered_messages(),
+                                                     params, stream)
 
     def reply(self, completion_id: str, created: int, model: str) -> Reply:
         return _ChatReply(completion_id, created, model)
@@ -45,13 +48,6 @@ class _ChatReply(Reply):
         return {**self.head("chat.completion.chunk"),
                 "choices": [{"index": 0, "delta": delta, "logprobs": None,
                              "finish_reason": finish_reason}]}
-
-    def whole(self, output: GenerationOutput) -> dict[str, Any]:
-        return {**self.head("chat.completion"),
-                "choices": [{"index": 0,
-                             "message": {"role": "assistant", "content": output.text},
-                             "logprobs": None, "finish_reason": output.finish_reason}],
-                "usage": usage(output.prompt_tokens, output.completion_tokens)}
 
     def opening(self) -> list[dict[str, Any]]:
         return [self._chunk({"role": "assistant", "content": ""}, None)]

@@ -6,8 +6,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from deployments.routes.generation import GenerationRoute, Reply, usage
-from serve_app.request import GenerationOutput, GenerationParams, InferenceRequest
+from deployments.routes.generation import GenerationRoute, Reply
+from serve_app.request import GenerationParams, InferenceRequest
+from serve_app.responses import CompletionBody, usage
 from serve_app.schemas import CompletionRequest, CompletionResponse
 
 
@@ -17,6 +18,7 @@ class CompletionsRoute(GenerationRoute):
     body_model = CompletionRequest
     path = "/v1/completions"
     response_model = CompletionResponse
+    whole_body = CompletionBody
     stream_events = "each event's data is a CompletionResponse without usage"
 
     async def endpoint(self, body: CompletionRequest, request: Request) -> Response:
@@ -41,10 +43,6 @@ class _Completion(Reply):
         return {**self.head("text_completion"),
                 "choices": [{"index": 0, "text": text, "logprobs": None,
                              "finish_reason": finish_reason}]}
-
-    def whole(self, output: GenerationOutput) -> dict[str, Any]:
-        return {**self._choice(output.text, output.finish_reason),
-                "usage": usage(output.prompt_tokens, output.completion_tokens)}
 
     def piece(self, text: str, finish_reason: str | None) -> dict[str, Any]:
         return self._choice(text, finish_reason)

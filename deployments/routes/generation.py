@@ -18,7 +18,9 @@ from deployments.openapi import INFERENCE_ERRORS, INFERENCE_PARAMETERS, response
 from deployments.routes.base import Prepared, Route, request_id_of
 from serve_app.client_wait import client_wait_limit_s, prefers_async
 from serve_app.errors import InvalidRequestError, ServeAppError
-from serve_app.request import GenerationOutput, GenerationParams, InferenceRequest
+from serve_app.kinds import KINDS
+from serve_app.request import GenerationParams, InferenceRequest
+from serve_app.responses import CompletionBody
 from serve_app.schemas import GenerationFields
 from serve_app.stream_events import (
     Admitted,
@@ -30,14 +32,9 @@ from serve_app.stream_events import (
 )
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """OpenAI's ``usage`` object."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
 class Reply:
-    """One response's id, creation time and model, and how its bodies and events look.
+    """One response's id, creation time and model, and how its streamed events look (its
+    body returned whole: the route's :attr:`GenerationRoute.whole_body`).
 
     Args:
         completion_id: the response id (``cmpl-...``, ``chatcmpl-...``).
@@ -50,10 +47,6 @@ class Reply:
 
     def head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def whole(self, output: GenerationOutput) -> dict[str, Any]:
-        """The body of a completion returned whole."""
-        raise NotImplementedError
 
     def opening(self) -> list[dict[str, Any]]:
         """Events before the first piece of text (none by default)."""
@@ -71,8 +64,9 @@ class Reply:
 class GenerationRoute(Route):
     """A route of kind ``generate`` (see module docstring)."""
 
-    kind = "generate"
+    kind = KINDS["generate"]
     id_prefix = "cmpl"
+    whole_body: type[CompletionBody]  # how a completion returned whole renders
     path: str
     response_model: type
     stream_events: str  # what a streamed response's events are, for the OpenAPI schema
@@ -118,16 +112,15 @@ class GenerationRoute(Route):
     async def prepare(self, body: GenerationFields, request_id: str) -> Prepared:
         params, reply = self._checked(body, request_id)
         inference = await self.build(body, params, False)
-        return Prepared(inference, lambda result: reply.whole(result.output))
+        return Prepared(inference, self.whole_body(reply.id, reply.created, reply.model))
 
     def _checked(self, body: GenerationFields, request_id: str) -> tuple[GenerationParams, Reply]:
-        """The body's parameters, checked against the limits, and its reply's shapes."""
+        """The body's parameters (checked against the limits as the request is built) and
+        its reply's shapes."""
         context = self.context
         context.check_model(body.model)
-        params = self.params(body)
-        context.factory.check(self.kind, 1, params)
-        return params, self.reply(f"{self.id_prefix}-{request_id}", int(time.time()),
-                                  context.args.model.name)
+        return self.params(body), self.reply(f"{self.id_prefix}-{request_id}",
+                                             int(time.time()), context.args.model.name)
 
     async def _stream(self, inference: InferenceRequest, body: GenerationFields,
                       reply: Reply) -> StreamingResponse:

@@ -20,6 +20,7 @@ from deployments.openapi import INFERENCE_ERRORS, INFERENCE_PARAMETERS, response
 from deployments.routes.base import Prepared, Route
 from serve_app.client_wait import client_wait_limit_s, prefers_async
 from serve_app.errors import InvalidRequestError
+from serve_app.kinds import KINDS
 from serve_app.request import TranscriptionOutput
 from serve_app.schemas import InferenceResult
 
@@ -88,7 +89,7 @@ class VerboseTranscriptionResponse(BaseModel):
 class TranscriptionsRoute(Route):
     """Speech to text of one audio file (kind ``transcribe``)."""
 
-    kind = "transcribe"
+    kind = KINDS["transcribe"]
     path = "/v1/audio/transcriptions"
     body_model = TranscriptionForm
 

@@ -156,6 +156,29 @@ class AdmissionController:
         finally:
             self._futures.pop(waiter.waiter_id, None)
 
+    def has_spare_room(self) -> bool:
+        """Whether work that waits elsewhere (a durable job, in its own queue) may start
+        now: nobody waits here for a lease, and the inference thread's backlog is under half
+        of ``max_queue_wait_s``, so it delays no request answered at once."""
+        queue = self.queue
+        return queue.queue_depth == 0 and queue.thread_wait_s() < queue.max_queue_wait_s / 2
+
+    def spare_lease(self, nbytes: int, request_id: str = "") -> Admission | None:
+        """A durable job's lease of ``nbytes``, taken only if it is spare now
+        (:meth:`has_spare_room`, and ``nbytes`` free in the budget); ``None`` otherwise: the
+        job waits in its own queue, never in this one, and is never refused for memory.
+
+        Raises:
+            RequestTooLargeError: ``nbytes`` exceeds the whole measured budget (it never
+                fits).
+        """
+        if nbytes > self.queue.max_budget_bytes:
+            raise RequestTooLargeError(
+                f"the job needs an estimated {nbytes} bytes of device memory, more than the "
+                f"replica's whole budget of {self.queue.max_budget_bytes} bytes")
+        lease = self.budget.try_reserve(nbytes) if self.has_spare_room() else None
+        return None if lease is None else Admission(lease, 0.0, 0, request_id)
+
     def record_timeout(self, waited_s: float, predicted_wait_s: float | None) -> None:
         """A request predicted to wait ``predicted_wait_s`` gave up after ``waited_s``
         (``queue_timeout``): its prediction fell short by at least the difference. Counted

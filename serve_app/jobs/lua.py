@@ -151,3 +151,12 @@ end
 redis.call('DEL', KEYS[1])
 return moved
 """
+
+# KEYS: job. ARGV: request -> 1 if stored | 0 (not queued or running, or it has one)
+SET_REQUEST = """
+local fields = redis.call('HMGET', KEYS[1], 'status', 'request')
+if fields[1] ~= 'queued' and fields[1] ~= 'running' then return 0 end
+if fields[2] and fields[2] ~= '' then return 0 end
+redis.call('HSET', KEYS[1], 'request', ARGV[1])
+return 1
+"""

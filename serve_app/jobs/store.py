@@ -5,7 +5,8 @@ Pure storage (redis-py's asyncio client; no Ray, FastAPI or torch). Every key st
 apps share one Redis:
 
 - ``job:{id}`` (hash): ``id``, ``route``, ``body`` (the client's JSON text), ``request``
-  (opaque bytes: the serialized validated request), ``price_bytes``, ``status``
+  (opaque bytes: what the replica runs, :mod:`serve_app.jobs.payload`; empty in jobs stored
+  by releases before it, until :meth:`JobStore.set_request`), ``price_bytes``, ``status``
   (:class:`~serve_app.jobs.view.JobStatus`), ``created_at`` / ``started_at`` /
   ``finished_at`` (unix seconds), ``attempts`` (claims), ``worker`` (last claimer),
   ``cancel_requested`` (``"1"`` once cancelled while running), ``result`` (JSON text),
@@ -56,6 +57,11 @@ def _glob_escape(text: str) -> str:
     return "".join("\\" + c if c in "\\*?[]" else c for c in text)
 
 
+def new_job_id() -> str:
+    """A new job id: ``"job-"`` and 32 hex digits."""
+    return f"job-{uuid.uuid4().hex}"
+
+
 def body_hash(route: str, body_json: str) -> str:
     """sha256 hex of ``route`` and ``body_json``: same key + same hash = the same job."""
     return hashlib.sha256(f"{route}\0{body_json}".encode()).hexdigest()
@@ -94,7 +100,7 @@ class JobStore:
         self._queued = self.key("queued")
         self._scripts = {name: client.register_script(getattr(lua, name))
                          for name in ("SUBMIT", "GET", "HEAD", "CLAIM", "CANCEL", "FINISH",
-                                      "REQUEUE", "RECOVER")}
+                                      "REQUEUE", "RECOVER", "SET_REQUEST")}
 
     def key(self, *parts: str) -> str:
         """The full key of ``parts``: ``key("job", id)`` -> ``"{prefix}:{namespace}:job:{id}"``."""
@@ -104,8 +110,10 @@ class JobStore:
         return await self._scripts[script](keys=keys, args=args)
 
     async def submit(self, route: str, body_json: str, request: bytes, price_bytes: int,
-                     idempotency_key: str | None = None) -> tuple[JobView, bool]:
+                     idempotency_key: str | None = None,
+                     job_id: str | None = None) -> tuple[JobView, bool]:
         """Queue a new job at the tail, or find the one this idempotency key made.
+        ``job_id``: the new job's id (:func:`new_job_id`; default: a new one).
 
         Returns:
             ``(view, True)`` for a new job; ``(view, False)`` when ``idempotency_key`` already
@@ -115,7 +123,7 @@ class JobStore:
             IdempotencyKeyReusedError: the key names a job with a different route or body.
             JobQueueFullError: ``max_queued`` jobs are waiting (not raised for a known key).
         """
-        job_id, digest = f"job-{uuid.uuid4().hex}", body_hash(route, body_json)
+        job_id, digest = job_id or new_job_id(), body_hash(route, body_json)
         keys = [self.key("job", job_id), self._queued]
         fields: dict[str, Any] = {
             "id": job_id, "route": route, "body": body_json, "request": request,
@@ -233,6 +241,26 @@ class JobStore:
             ids = await self._run("RECOVER", keys, args)
             moved.extend(i.decode() for i in reversed(ids))
         return moved
+
+    async def without_request(self) -> list[str]:
+        """The ids of the jobs queued or running whose ``request`` is empty (stored by a
+        release before :mod:`serve_app.jobs.payload`), queued ones first, in queue order."""
+        pattern = _glob_escape(self.key("running", "")) + "*"
+        ids = [i.decode() for i in await self._client.lrange(self._queued, 0, -1)]
+        async for running in self._client.scan_iter(match=pattern, count=500):
+            ids.extend(i.decode() for i in await self._client.lrange(running, 0, -1))
+        async with self._client.pipeline(transaction=False) as pipe:
+            for job_id in ids:
+                pipe.hmget(self.key("job", job_id), "status", "request")
+            found = await pipe.execute()
+        return [job_id for job_id, (status, request) in zip(ids, found, strict=True)
+                if status in (b"queued", b"running") and not request]
+
+    async def set_request(self, job_id: str, request: bytes) -> bool:
+        """Store ``request`` as the job's ``request``, only while the job is queued or
+        running and has none (so a job is never given two, nor a finished one one).
+        Returns whether it was stored."""
+        return bool(await self._run("SET_REQUEST", [self.key("job", job_id)], [request]))
 
     def now(self) -> float:
         """Unix seconds by the store's clock (what its jobs' times are in)."""

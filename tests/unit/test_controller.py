@@ -357,3 +357,53 @@ def test_a_queued_request_keeps_only_what_is_left_of_its_wait(make_queue, clock)
     clock.advance(2.5)
     assert queue.expire() == [late]
     queue.release(held)
+
+
+
+def test_a_spare_lease_is_taken_only_when_nobody_waits_and_it_fits(make_controller) -> None:
+    """A durable job's lease (``spare_lease``): granted at once when it fits and nobody
+    waits; ``None`` (nothing reserved) while a request waits or it does not fit; refused
+    with 400 when it exceeds the whole budget (it could never run)."""
+    controller = make_controller(budget_bytes=100)
+
+    async def main() -> None:
+        spare = controller.spare_lease(40, "job-1")
+        assert (spare.lease.nbytes, spare.queue_wait_s, spare.queue_position,
+                spare.request_id) == (40, 0.0, 0, "job-1")
+        assert controller.budget.reserved_bytes == 40
+        assert controller.spare_lease(61) is None  # 40 + 61 > 100
+        held = await controller.acquire(50)
+        task = await waiting(controller, 30)  # a request waits: jobs yield to it
+        assert not controller.has_spare_room()
+        assert controller.spare_lease(10) is None  # it would fit, but a request waits
+        assert controller.budget.reserved_bytes == 90
+        controller.release(spare.lease)
+        waited = await task  # the waiter got its lease
+        assert controller.has_spare_room()
+        last = controller.spare_lease(20)
+        assert last is not None and controller.budget.reserved_bytes == 50 + 30 + 20
+        with pytest.raises(RequestTooLargeError, match="the job needs an estimated 101 bytes "
+                           "of device memory, more than the replica's whole budget of 100 "
+                           "bytes"):
+            controller.spare_lease(101)
+        assert controller.budget.reserved_bytes == 100
+        for admission in (held, waited, last):
+            controller.release(admission.lease)
+
+    asyncio.run(main())
+
+
+def test_no_spare_lease_while_the_inference_thread_is_backed_up() -> None:
+    """Jobs yield to requests answered at once: no spare room while the inference thread's
+    backlog is half of ``max_queue_wait_s`` or more."""
+    backlog_s = [0.0]
+    controller = AdmissionController(100, 8, 10.0, thread_wait_s=lambda: backlog_s[0])
+    assert controller.has_spare_room()
+    backlog_s[0] = 5.0
+    assert not controller.has_spare_room()
+    assert controller.spare_lease(10) is None and controller.budget.reserved_bytes == 0
+    backlog_s[0] = 4.9
+    admission = controller.spare_lease(10)
+    assert admission is not None and controller.budget.reserved_bytes == 10
+    controller.release(admission.lease, ran=False)
+    assert controller.budget.reserved_bytes == 0

@@ -315,3 +315,27 @@ async def test_the_prices_up_to_a_queued_job_are_what_drains_before_it(store) ->
 async def test_jobs_submitted_at_the_same_moment_each_get_their_own_position(store) -> None:
     jobs = await asyncio.gather(*(submit(store, n) for n in range(20)))
     assert sorted(j.position for j in jobs) == list(range(20))
+
+
+async def test_jobs_without_a_request_are_listed_and_given_one_once(store, client) -> None:
+    """Jobs stored by an earlier release carry no request (an empty field): the queued and
+    running ones are listed, queued first, and each gets one request, once, only while it
+    is queued or running."""
+    old = [(await store.submit(ROUTE, body(n), b"", 100))[0] for n in range(4)]
+    new = await submit(store, 9)
+    given = await store.submit(ROUTE, body(10), b"", 100, job_id="job-" + "0" * 32)
+    assert given[0].id == "job-" + "0" * 32 and given[1]
+    await store.claim(old[0].id, "w1")  # running
+    await store.claim(old[3].id, "w2")
+    await store.fail(old[3].id, "w2", '{"error": {}}', 400)  # final: left alone
+    assert await store.without_request() == [old[1].id, old[2].id, given[0].id, old[0].id]
+    assert await store.set_request(old[0].id, b"rebuilt 0")  # running
+    assert await store.set_request(old[1].id, b"rebuilt 1")  # queued
+    assert not await store.set_request(old[1].id, b"again")  # it has one
+    assert not await store.set_request(old[3].id, b"late")  # final
+    assert not await store.set_request(new.id, b"other")  # stored with one
+    assert not await store.set_request("job-gone", b"x")
+    assert not await client.exists(store.key("job", "job-gone"))  # no stray hash
+    assert [(await store.get(j.id)).request for j in (*old, new)] == [
+        b"rebuilt 0", b"rebuilt 1", b"", b"", b"req 9"]
+    assert await store.without_request() == [old[2].id, given[0].id]

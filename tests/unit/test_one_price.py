@@ -22,6 +22,7 @@ from deployments.replica import Replica, ReplicaIdentity
 from deployments.request_factory import RequestFactory
 from serve_app.admission.policy import policy_class
 from serve_app.config import parse_args
+from serve_app.kinds import KINDS
 from serve_app.memory.cost_model import FittedCostModel
 from serve_app.memory.simulated import SimulatedDevice, SimulatedDeviceProbe
 from serve_app.metrics import ProcessMetrics
@@ -73,7 +74,7 @@ async def _compare(args, requests, cost_model: FittedCostModel, correction: floa
     published = pickle.loads(pickle.dumps(replica.state())).cost_model  # via the registry
     try:
         for kind, texts, params, stream in requests:
-            request = await factory.build(kind, texts, params, stream)
+            request = await factory.build(KINDS[kind], texts, params, stream)
             estimate = estimate_units([published], request.shape,
                                       policy_class(args.admission.policy))
             charged = replica.gate.budget.charged_bytes_total

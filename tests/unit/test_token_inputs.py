@@ -14,6 +14,7 @@ from deployments.engines.embeddings import EmbeddingEngine
 from deployments.request_factory import RequestFactory
 from serve_app.config import parse_args
 from serve_app.errors import InvalidRequestError
+from serve_app.kinds import KINDS
 from serve_app.token_inputs import SpecialTokens
 
 pytestmark = pytest.mark.unit
@@ -29,8 +30,8 @@ def front():
 
 def _build(front, inputs, field="input", **kwargs):
     args = parse_args({"limits": {"max_input_tokens": 12}})
-    return asyncio.run(RequestFactory(args, front).build("embed", inputs, field=field,
-                                                         **kwargs))
+    return asyncio.run(RequestFactory(args, front).build(KINDS["embed"], inputs,
+                                                         field=field, **kwargs))
 
 
 def test_the_packaged_tokenizer_puts_cls_and_sep_around_a_text(front) -> None:

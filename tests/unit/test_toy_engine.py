@@ -18,6 +18,7 @@ from deployments.engines.registry import engine_class
 from deployments.request_factory import RequestFactory
 from serve_app.admission.policy import policy_class
 from serve_app.config import parse_args
+from serve_app.kinds import KINDS
 from serve_app.memory.cost_model import (
     CorrectedCostModel,
     FittedCostModel,
@@ -80,7 +81,7 @@ def test_requests_are_priced_along_the_engine_s_axis(profile) -> None:
     policy = policy_class(args.admission.policy)
 
     async def price(words: int, texts: int = 1) -> int:
-        request = await factory.build("embed", [" ".join(["w"] * (words - 2))] * texts)
+        request = await factory.build(KINDS["embed"], [" ".join(["w"] * (words - 2))] * texts)
         estimate = estimate_units([published], request.shape, policy)
         assert estimate == shape_bytes(profile.cost_model, request.shape)
         return estimate

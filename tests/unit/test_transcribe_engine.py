@@ -21,7 +21,7 @@ from deployments.idempotency_guard import IdempotencyGuard
 from deployments.request_factory import RequestFactory
 from serve_app.config import parse_args
 from serve_app.errors import BodyTooLargeError, InvalidRequestError
-from serve_app.kinds import KINDS, audio_frames
+from serve_app.kinds import KINDS, audio_frames, build_request
 from serve_app.memory.cost_model import Shape
 from serve_app.metrics import ProcessMetrics
 from serve_app.request import InferenceRequest, TranscriptionParams
@@ -201,10 +201,12 @@ def test_a_request_is_priced_by_its_frames_and_batched_by_language_and_prompt(
         whisper_dir) -> None:
     args = parse_args({"model": {"engine": "transcribe", "path": str(whisper_dir)}})
     kind = KINDS["transcribe"]
-    one = kind.build([], TranscriptionParams(AUDIO["17s"], language="en"), args, 24)
+    one = build_request(kind, [[]], TranscriptionParams(AUDIO["17s"], language="en"), False,
+                        args, 24)
     assert one.shape == Shape(1, 1700, 0)
     assert kind.pass_length(one) == 1700
-    other = kind.build([], TranscriptionParams(AUDIO["5s"], language="fr"), args, 24)
+    other = build_request(kind, [[]], TranscriptionParams(AUDIO["5s"], language="fr"), False,
+                          args, 24)
     assert one.batch_key != other.batch_key
     assert kind.largest_shape(args.limits, 24) == Shape(1, 12_000, 0)  # 120 s
 

@@ -18,6 +18,7 @@ from deployments.replica import Replica
 from deployments.request_factory import RequestFactory
 from serve_app.admission.policy import policy_class
 from serve_app.config import parse_args
+from serve_app.kinds import KINDS
 from serve_app.memory.cost_model import FittedCostModel, Shape
 from serve_app.metrics import ProcessMetrics
 from serve_app.pricing import estimate_units, shape_bytes
@@ -53,8 +54,9 @@ async def _serve(whisper_dir, files: list[tuple[float, float, str]]):
     factory = RequestFactory(args, TranscribeEngine.front_end(args))  # the ingress's
     published = replica.state().cost_model
     try:
-        requests = [await factory.build_transcription("transcribe", wav(s, f), "", language,
-                                                      0.0, "json")
+        kind = KINDS["transcribe"]
+        requests = [await factory.build_transcription(kind, wav(s, f), "", language, 0.0,
+                                                      "json")
                     for s, f, language in files]
         estimates = [estimate_units([published], r.shape, policy_class("budget"))
                      for r in requests]
