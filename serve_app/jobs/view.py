@@ -19,6 +19,10 @@ class JobStatus(enum.StrEnum):
     CANCELLED = "cancelled"
 
 
+# The statuses a job never leaves.
+FINAL_STATUSES = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
+
+
 @dataclass(frozen=True, kw_only=True)
 class JobView:
     """One job as stored, read atomically.

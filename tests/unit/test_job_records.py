@@ -57,10 +57,10 @@ EMBED, COMPLETE = "/v1/embeddings", "/v1/completions"
 def test_a_record_gives_back_the_request_and_its_rendering() -> None:
     requests = [
         InferenceRequest("embed", ((1, 5, 2), (1, 2)), Shape(2, 16, 0), EmbeddingParams(3),
-                         False, ("embed", 3)),
+                         stream=False, batch_key=("embed", 3)),
         InferenceRequest("generate", ((7, 8, 9),), Shape(1, 16, 32),
-                         GenerationParams(30, 0.7, 0.9, 11, ("\n", "END")), False,
-                         ("generate", 0.7, 0.9)),
+                         GenerationParams(30, 0.7, 0.9, 11, ("\n", "END")), stream=False,
+                         batch_key=("generate", 0.7, 0.9)),
         InferenceRequest("generate", ((4,),), Shape(1, 1, 5), None)]
     renders = [EmbeddingsBody("m", 8, "base64"), CompletionBody("cmpl-job-1", 17, "m"),
                ChatCompletionBody("chatcmpl-job-2", 18, "m")]
