@@ -3,7 +3,8 @@ config (configs/local.yaml: the packaged all-MiniLM-L6-v2 on CPU, ``num_cpus: 1`
 ``model.num_threads: 1`` (before: the replica's ``num_cpus``) and unset (after: measured at
 start-up, :mod:`deployments.engines.cpu_threads`), beside the bare model at each candidate
 thread count. In this process, without Ray or HTTP: the replica is the one
-:class:`deployments.model_server.ModelServer` assembles (measured on its inference thread, its
+:class:`deployments.replica.model_server.ModelServer` assembles (measured on its inference
+thread, its
 admission, batching and lifecycle), the requests are built as the ingress builds them
 (tokenized per request, on this process's cores). Bounded; prints a markdown table.
 
@@ -77,9 +78,9 @@ class LocalReplica:
 
     async def start(self) -> dict[str, Any]:
         """Measure on the inference thread, as the replica does; its ``cpu_threads``."""
-        from deployments.profiling import measure_replica
-        from deployments.replica import Replica
-        from deployments.request_factory import RequestFactory
+        from deployments.http.request_factory import RequestFactory
+        from deployments.replica.parts import Replica
+        from deployments.replica.profiling import measure_replica
         from serve_app.metrics import ProcessMetrics
 
         loop = asyncio.get_running_loop()

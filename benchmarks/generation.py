@@ -5,7 +5,7 @@ table and the done-when ratios.
     python -m benchmarks.generation [--clients 16] [--requests 4] [--seed 0] [--fake-only]
 
 Each engine runs in this process behind a model replica's own parts (admission gate,
-inference thread, pass batcher or decode loop: :class:`deployments.replica.Replica`), not
+inference thread, pass batcher or decode loop: :class:`deployments.replica.parts.Replica`), not
 over HTTP: what is compared is the scheduling, and the ingress is the same for both. Rows:
 
 - mixed: ``--clients`` concurrent clients, each sending ``--requests`` greedy completions
@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from deployments.engines.fake import FakeEngine, exact_cost_model
-from deployments.replica import Replica, ReplicaIdentity
+from deployments.replica.parts import Replica, ReplicaIdentity
 from serve_app.config import parse_args
 from serve_app.kinds import build_request
 from serve_app.memory.simulated import SimulatedDevice, SimulatedDeviceProbe

@@ -344,7 +344,7 @@ NOTES: Sequence[str] = (
     "each pays the fixed cost alone, and a completion or chat reply pays it once per new "
     "token. The budget runs what waited while the thread was busy as few passes as its "
     "leases allow: embeddings together, and completions and chat on token-level continuous "
-    "batching (`deployments/decode_loop.py`): each decode step advances every running "
+    "batching (`deployments/replica/decode_loop.py`): each decode step advances every running "
     "sequence by one token, sequences join between steps as their KV-cache leases fit and "
     "leave when they finish, so up to `batching.max_batch_size` (32) sequences share a "
     "step's fixed cost and an 8-token reply does not wait for a 256-token one. On the fake "

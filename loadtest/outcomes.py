@@ -21,7 +21,8 @@ The classes are mutually exclusive and follow the README's error table (HTTP API
 
 A streamed answer (``stream: true``, server-sent events) is a 200 from its first byte on: an
 error after it comes in-band, as a last ``data: {"error": ...}`` event before ``data:
-[DONE]`` (README, HTTP API; ``deployments/routes/generation.py``). It is ``ok`` only when read to
+[DONE]`` (README, HTTP API; ``deployments/http/routes/generation.py``). It is ``ok`` only when
+read to
 its end, it ends with ``data: [DONE]``, no event carries an error and one carried the
 ``finish_reason`` (:func:`stream_problem`); otherwise ``oom`` for an in-band ``oom``, ``5xx``
 for anything else (:func:`stream_outcome`).

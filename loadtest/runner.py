@@ -36,7 +36,7 @@ from loadtest.summary import Sample, idle_problems, parse_exposition, run_row
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "loadtest" / "results"
 APP_NAME = "vramgate"
-SCRAPE_PERIOD_S = 1.0  # the replicas publish their metrics once a second (registry.py)
+SCRAPE_PERIOD_S = 1.0  # the replicas publish their metrics once a second (replica_registry.py)
 SETTLE_S = 2.5  # after the load: two publish periods, so the last scrape holds every count
 LOCUST_GRACE_S = 60.0  # locust's start-up and shutdown on top of the shape's duration
 # Users removed by the shape (or at the end) finish the request they are waiting for, within

@@ -9,17 +9,17 @@ from typing import Any
 import ray
 from ray.serve import Application
 
-from deployments.autoscaling import QUEUE_POLICY_CLASS_PATH
-from deployments.build_measurement import measure_before_deploy
+from deployments.cluster.autoscaling import QUEUE_POLICY_CLASS_PATH
+from deployments.cluster.build_measurement import measure_before_deploy
+from deployments.cluster.fail_fast import REFUSALS, DeploymentRefused, stop_serve_run_with
+from deployments.cluster.idempotency_store import IdempotencyStore
+from deployments.cluster.job_broker import JobBroker, broker_data_dir
+from deployments.cluster.replica_registry import ReplicaRegistry
+from deployments.cluster.router import ROUTER_CLASS_PATH
 from deployments.engines.registry import engine_class
-from deployments.fail_fast import REFUSALS, DeploymentRefused, stop_serve_run_with
-from deployments.idempotency import IdempotencyStore
-from deployments.ingress import Ingress
-from deployments.job_broker import JobBroker, broker_data_dir
-from deployments.model_server import ModelServer
-from deployments.registry import ReplicaRegistry
-from deployments.router import ROUTER_CLASS_PATH
-from deployments.served_models import ModelBinding
+from deployments.http.ingress import Ingress
+from deployments.http.served_models import ModelBinding
+from deployments.replica.model_server import ModelServer
 from serve_app.app_config import parse_models
 from serve_app.config import AppArgs
 from serve_app.kinds import context_problems
@@ -53,10 +53,10 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         DeploymentRefused: no node of the cluster can ever place a model replica, or the
             models' GPU shares cannot all be placed at once.
         InsufficientMemoryError, OSError, DeviceUnavailableError: the measurement made
-            before the deployment refused (:mod:`deployments.build_measurement`).
+            before the deployment refused (:mod:`deployments.cluster.build_measurement`).
 
     Every refusal is final: it is logged as one line and ends any ``serve run`` waiting on
-    this cluster (:func:`deployments.fail_fast.stop_serve_run`), which would otherwise wait
+    this cluster (:func:`deployments.cluster.fail_fast.stop_serve_run`), which would otherwise wait
     forever on an application that cannot deploy.
     """
     try:
@@ -135,12 +135,12 @@ def _model_options(cfg: AppArgs, plan: DeploymentPlan) -> dict[str, Any]:
 
 def _plan_on_cluster(cfg: AppArgs) -> tuple[AppArgs, DeploymentPlan]:
     """The deployment plan, measured on the cluster where it can be
-    (:func:`deployments.build_measurement.measure_before_deploy`), and the args the replicas
+    (:func:`deployments.cluster.build_measurement.measure_before_deploy`), and the args the replicas
     get: with the measurement's profile as ``memory.profile_path``, so that a replica on a
     node that can read it checks it against its own device instead of profiling again.
 
     Raises:
-        the refusals of :data:`deployments.fail_fast.REFUSALS`, from the measurement.
+        the refusals of :data:`deployments.cluster.fail_fast.REFUSALS`, from the measurement.
     """
     measurement = measure_before_deploy(cfg) if ray.is_initialized() else None
     plan = plan_deployment(cfg, engine := engine_class(cfg), measurement)
@@ -154,9 +154,9 @@ def _plan_on_cluster(cfg: AppArgs) -> tuple[AppArgs, DeploymentPlan]:
 
 def _scaling_options(cfg: AppArgs) -> dict[str, Any]:
     """How many model replicas and how requests reach them: a fixed ``num_replicas``, or
-    autoscaling on the admission queue (:mod:`deployments.autoscaling`: Ray's own delays are
+    autoscaling on the admission queue (:mod:`deployments.cluster.autoscaling`: Ray's own delays are
     0 because the policy applies ``upscale_delay_s`` / ``downscale_delay_s`` itself); and the
-    budget-aware request router (:mod:`deployments.router`) unless ``request_router: pow2``.
+    budget-aware request router (:mod:`deployments.cluster.router`) unless ``request_router: pow2``.
     """
     dep = cfg.deployment
     options: dict[str, Any] = {}

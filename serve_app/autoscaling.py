@@ -45,7 +45,7 @@ Moving from the current target:
 * The result is always within ``[min_replicas, max_replicas]``; a target outside them (bounds
   changed) is brought back at once.
 
-Imports nothing from Ray: ``deployments/autoscaling.py`` builds the snapshot from Ray's
+Imports nothing from Ray: ``deployments/cluster/autoscaling.py`` builds the snapshot from Ray's
 ``AutoscalingContext``.
 """
 

@@ -4,7 +4,7 @@ Every error that may reach a client is a :class:`ServeAppError` carrying the HTT
 OpenAI-style ``type`` and ``code`` of the README's error table and, for 503s, ``retry_after_s``. The
 classes are plain picklable exceptions (no Ray, FastAPI or torch imports) so they cross Ray
 actor boundaries unchanged; the ingress maps them to HTTP responses in exactly one place
-(:func:`deployments.http_errors.error_response`).
+(:func:`deployments.http.http_errors.error_response`).
 
 Messages are written for clients: they never contain tracebacks or internal detail.
 """

@@ -1,6 +1,7 @@
 """Idempotency-Key bookkeeping: one execution per key, every caller gets the same answer.
 
-Pure (asyncio only): the state machine behind :class:`deployments.idempotency.IdempotencyStore`.
+Pure (asyncio only): the state machine behind
+:class:`deployments.cluster.idempotency_store.IdempotencyStore`.
 A key is *running* from its first request until that request's outcome is recorded; later
 requests with the same key and body wait for that outcome (coalescing), requests after it
 replay it until ``ttl_s`` has passed, and a different body under the same key is refused.

@@ -1,7 +1,7 @@
 """Measurements made before a deployment is created, and their cache.
 
 ``serve run`` of a GPU config measures the model once, on the cluster, with one replica's
-resources (:mod:`deployments.build_measurement`), and derives the deployment's
+resources (:mod:`deployments.cluster.build_measurement`), and derives the deployment's
 ``max_ongoing_requests`` from it (:func:`serve_app.planning.plan_from_profile`). The result
 is cached in ``memory.measurement_cache_dir`` under a key of everything that changes what
 would be measured, so a later run of the same config on the same kind of card reuses it.

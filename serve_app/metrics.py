@@ -118,7 +118,7 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("histogram", "request_measured_over_estimated",
                "Measured peak bytes / priced bytes per request (the cost model's honesty).",
                buckets=RATIO_BUCKETS),
-    # --- model replica: continuous batching (deployments.decode_loop) ----------------------
+    # --- model replica: continuous batching (deployments.replica.decode_loop) --------------
     _gauge("running_sequences", "Completions in the running batch (continuous batching)."),
     _gauge("waiting_sequences", "Admitted completions waiting to join the running batch."),
     _gauge("kv_cache_budget_blocks", "KV-cache blocks the budget holds (16 tokens each)."),
@@ -133,7 +133,7 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("histogram", "inter_token_latency_seconds",
                "Between two tokens of one completion (one decode step).",
                buckets=SECONDS_BUCKETS),
-    # --- model replica: durable jobs (deployments.jobs_worker) ------------------------------
+    # --- model replica: durable jobs (deployments.replica.jobs_worker) ---------------------
     _gauge("job_queue_depth", "Durable jobs waiting in the app's queue (cluster-wide, as this "
            "replica last read it, every heartbeat_ttl_s / 3)."),
     _gauge("job_queue_oldest_age_seconds", "Age of the job at the queue's head (0 when the "

@@ -1,7 +1,7 @@
 """Whether a Ray cluster can ever place a model replica, and the replicas of every model of
 an app at once (their GPU shares packed onto whole cards): checked before the deployment is
 created, so that a config asking for GPUs the cluster does not have fails at once instead of
-waiting forever for resources (:mod:`deployments.fail_fast`).
+waiting forever for resources (:mod:`deployments.cluster.fail_fast`).
 
 Pure: reads the node table Ray returns (``ray.nodes()``), imports no Ray.
 """

@@ -5,7 +5,7 @@ recommend options from a fresh measurement. The number of requests a replica can
 is ``budget // price of one P95 request``, from, in order of preference:
 
 1. a **measurement made on the cluster** before the deployment, with one replica's resources
-   (:mod:`deployments.build_measurement`; GPU replicas, cached in
+   (:mod:`deployments.cluster.build_measurement`; GPU replicas, cached in
    ``memory.measurement_cache_dir``);
 2. a **measured profile** (``memory.profile_path``, written by ``python -m serve_app
    profile``): the budget from its measured capacity and held bytes, the price from its
@@ -170,7 +170,7 @@ def plan_deployment(args: AppArgs, engine: EngineSpec,
     """Derive the model deployment's options from ``args`` for ``engine`` (its class).
 
     With a ``measurement`` made on the cluster before the deployment
-    (:func:`deployments.build_measurement.measure_before_deploy`), the plan is
+    (:func:`deployments.cluster.build_measurement.measure_before_deploy`), the plan is
     :func:`plan_from_profile`'s of it, on the card it was made on. Else, with a readable
     profile at ``memory.profile_path`` made for this engine and model on this kind of device
     (:func:`serve_app.memory.reuse.reuse_problems`), the plan is

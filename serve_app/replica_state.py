@@ -5,7 +5,7 @@ The replica builds one :class:`ReplicaState` whenever it reports; ``GET /v1/stat
 :meth:`~ReplicaState.to_routing_stats` (Ray Serve's ``record_routing_stats``) and the
 autoscaling policy :meth:`~ReplicaState.to_autoscaling_stats` (``record_autoscaling_stats``).
 The keys of those two views are declared here once, and their readers
-(:mod:`serve_app.routing`, :mod:`deployments.autoscaling`) import them from here.
+(:mod:`serve_app.routing`, :mod:`deployments.cluster.autoscaling`) import them from here.
 
 Pure: no Ray, torch or FastAPI.
 """
@@ -188,7 +188,7 @@ class ReplicaState:
                 "queued_bytes": gate.queued_bytes, ROUTING_MEASURED_AT_KEY: self.updated_at}
 
     def to_autoscaling_stats(self) -> dict[str, float]:
-        """What the autoscaling policy reads (:mod:`deployments.autoscaling`): floats."""
+        """What the autoscaling policy reads (:mod:`deployments.cluster.autoscaling`): floats."""
         gate = self.gate
         return {AUTOSCALING_QUEUE_DEPTH_KEY: float(gate.queue_depth),
                 AUTOSCALING_QUEUED_BYTES_KEY: float(gate.queued_bytes),

@@ -1,6 +1,6 @@
 """Budget-aware replica scoring for the Serve request router: pure, no Ray.
 
-The thin Ray adapter is :mod:`deployments.router`. This module decides *where* a request
+The thin Ray adapter is :mod:`deployments.cluster.router`. This module decides *where* a request
 should go, from three inputs:
 
 * each replica's last report (:class:`ReplicaStats`, read from the dict its

@@ -1,15 +1,15 @@
 """The items of a streamed request, from the model replica to the ingress.
 
-A replica's stream (:meth:`deployments.lifecycle.RequestLifecycle.infer_stream`, through
+A replica's stream (:meth:`deployments.replica.lifecycle.RequestLifecycle.infer_stream`, through
 ``ModelServer.infer_stream`` and Ray Serve's handle, pickled) is: :class:`Queued` items while
 the request waits, then one :class:`~serve_app.schemas.Admitted` once it holds its lease,
 then a :class:`TextPiece` per piece of text, then one :class:`Finished`. Its first item is
 always :class:`Queued` or :class:`Admitted`, so that the ingress hears admission before it
 sends any byte. A refusal or failure on the replica ends the stream with a
-:class:`StreamError`, which the ingress raises again (:mod:`deployments.model_client`).
+:class:`StreamError`, which the ingress raises again (:mod:`deployments.http.model_client`).
 
 The ingress turns them into server-sent events in one place,
-:func:`deployments.routes.generation.render`. Plain frozen values: no Ray, FastAPI or torch.
+:func:`deployments.http.routes.generation.render`. Plain frozen values: no Ray, FastAPI or torch.
 """
 
 from __future__ import annotations

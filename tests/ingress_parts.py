@@ -8,12 +8,12 @@ from typing import Any
 from fastapi import FastAPI
 
 from deployments.engines.registry import engine_class
-from deployments.ingress import Ingress
-from deployments.ingress_opening import Opening
-from deployments.model_client import ModelClient
-from deployments.replica_view import ReplicaView
-from deployments.routes import ROUTES, RouteContext
-from deployments.served_models import ModelFront, ServedModels
+from deployments.http.ingress import Ingress
+from deployments.http.ingress_opening import Opening
+from deployments.http.model_client import ModelClient
+from deployments.http.replica_view import ReplicaView
+from deployments.http.routes import ROUTES, RouteContext
+from deployments.http.served_models import ModelFront, ServedModels
 from serve_app.admission.policy import policy_class
 from serve_app.config import AppArgs
 from serve_app.metrics import ProcessMetrics

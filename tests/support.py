@@ -110,7 +110,7 @@ TINY_LM_CORPUS = [
 
 def _measure(args: dict[str, Any]) -> tuple[dict, int, int]:
     """In the child process: the profile (as a dict), the largest request's price, budget."""
-    from deployments.profiling import measure_replica
+    from deployments.replica.profiling import measure_replica
     from serve_app.config import parse_args
 
     measured = measure_replica(parse_args(args), on_progress=lambda _: None)

@@ -1,11 +1,12 @@
 """The engine's side of token-level (iteration-level) continuous batching.
 
 An engine that generates offers one call, :meth:`DecodeStepper.decode_step`, run on the
-replica's inference thread by :class:`deployments.decode_loop.DecodeLoop`: drop the sequences
+replica's inference thread by :class:`deployments.replica.decode_loop.DecodeLoop`: drop the
+sequences
 that left (their KV cache is freed), prefill the sequences that join (each gets its first
 token), and decode one token for every sequence already running, all in one step; sequences
 that finish in the step (an EOS id, a stop string, ``max_tokens``) are freed in it too. What
-joins when is the loop's business (:mod:`deployments.decode_loop`); which tokens come out is
+joins when is the loop's business (:mod:`deployments.replica.decode_loop`); which tokens come out is
 the engine's, per sequence: a greedy sequence gets exactly the tokens it gets alone.
 
 Iteration-level scheduling as Orca (Yu et al., OSDI 2022, "Orca: A Distributed Serving
@@ -60,7 +61,7 @@ class SequenceUpdate:
 
 
 class DecodeStepper(Protocol):
-    """What :class:`deployments.decode_loop.DecodeLoop` needs of an engine.
+    """What :class:`deployments.replica.decode_loop.DecodeLoop` needs of an engine.
 
     Attributes:
         kv_bytes_per_token: device bytes one token's KV cache takes (all layers, K and V).

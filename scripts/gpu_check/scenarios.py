@@ -31,8 +31,8 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from deployments.profiling import MeasuredReplica
-from deployments.replica import Replica, ReplicaIdentity
+from deployments.replica.parts import Replica, ReplicaIdentity
+from deployments.replica.profiling import MeasuredReplica
 from serve_app.config import AppArgs
 from serve_app.memory.cost_model import Shape, relative_error
 from serve_app.metrics import ProcessMetrics
@@ -150,7 +150,7 @@ def held_out_rows(tag: str, loaded: Loaded, meter: Any, spec: EngineSpec,
 
 @contextlib.asynccontextmanager
 async def serving(loaded: Loaded, budget_bytes: int, meter: Any) -> AsyncIterator[Replica]:
-    """A replica's parts without Ray (:class:`deployments.replica.Replica`) over the measured
+    """A replica's parts without Ray (:class:`deployments.replica.parts.Replica`) over the measured
     engine and profile, on ``budget_bytes``, on the thread the engine was profiled on; its
     probe folds peaks into ``meter``."""
     measured = loaded.measured

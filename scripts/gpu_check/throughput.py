@@ -5,7 +5,7 @@ twice per round: **bare**, the engine's own batched call on chunks of
 ``batching.max_batch_size`` (``run_embed`` for embeddings: one padded forward pass;
 ``generate_batch_ids`` for completions: one padded ``model.generate``), back to back on this
 thread; and **served**, every request at once through the replica's admission gate, batcher
-or continuous-batching decode loop and inference thread (:class:`deployments.replica.Replica`
+or continuous-batching decode loop and inference thread (:class:`deployments.replica.parts.Replica`
 on the measured budget), both on the thread the engine was profiled on. Each path's best
 round over :data:`ROUNDS` is kept (the first round also warms the kernels for the batch
 sizes used), and the figure is

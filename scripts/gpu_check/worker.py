@@ -113,7 +113,7 @@ def load_engine(spec, tag: str, device: str, models: Path):
     """Build the model directory if needed, load the engine and profile it on a new
     inference thread, as a replica does at start-up (``measure_replica``, on the thread that
     then serves). Returns the :class:`.scenarios.Loaded` engine."""
-    from deployments.profiling import measure_replica
+    from deployments.replica.profiling import measure_replica
     from serve_app.config import parse_args
 
     from .models import ensure_model

@@ -10,7 +10,7 @@ gives up on the *await*, not on the thread). The lease goes back when the last h
   budget after an OOM), whether or not the caller is still there: the memory is free then, and
   the next requests can be admitted into the very next pass;
 - it never did: when the caller leaves (:meth:`Ticket.caller_done`, from the one ``finally``
-  of :class:`deployments.lifecycle.RequestLifecycle`).
+  of :class:`deployments.replica.lifecycle.RequestLifecycle`).
 
 Either way the one release function runs exactly once, never while a kernel may still use the
 bytes. Pure: no Ray, torch, FastAPI or asyncio.

@@ -125,7 +125,7 @@ def packing_lines(models: list[AppArgs]) -> list[str]:
 
 def cached_measurement(app: ServeApp, args: AppArgs, engine: EngineSpec) -> Measurement | None:
     """The measurement ``serve run`` made before deploying ``app`` (a GPU application,
-    :mod:`deployments.build_measurement`), if it is cached where this machine reads
+    :mod:`deployments.cluster.build_measurement`), if it is cached where this machine reads
     ``memory.measurement_cache_dir`` (a directory every node mounts, or the head node's),
     under the key of this config and of the allocator setting the application's
     ``runtime_env`` gives its workers; as at build time without a free GPU share, the card

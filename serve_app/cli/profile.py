@@ -1,6 +1,6 @@
 """``vramgate profile --config CONFIG [--app NAME] [--out PATH]``: load the model of one
 application of a ``serve run`` config in this process (no Ray), measure its memory exactly as
-a model replica does at start-up (:func:`deployments.profiling.measure_replica`), print what
+a model replica does at start-up (:func:`deployments.replica.profiling.measure_replica`), print what
 it measured, the fitted cost model and the deployment options the measurement recommends
 (:func:`serve_app.planning.plan_from_profile`), and save the profile for
 ``memory.profile_path``. It measures on the device the replicas will have, so a config whose
@@ -29,7 +29,7 @@ from serve_app.planning import (
 
 if TYPE_CHECKING:
     from deployments.engines.base import Engine
-    from deployments.profiling import MeasuredReplica
+    from deployments.replica.profiling import MeasuredReplica
 
 
 def profile_command(options: argparse.Namespace) -> int:
@@ -48,7 +48,7 @@ def profile_command(options: argparse.Namespace) -> int:
     # when CUDA first allocates, so setting it here, before the model loads, is in time.
     os.environ[ALLOCATOR_ENV] = application_allocator(app.entry)
     # torch + transformers: imported only once the arguments are known to be valid
-    from deployments.profiling import measure_replica
+    from deployments.replica.profiling import measure_replica
 
     progress(f"loading {engine.describe(args)} for application {app.name!r} of "
              f"{options.config} ({ALLOCATOR_ENV}={os.environ[ALLOCATOR_ENV]!r})")

@@ -8,7 +8,7 @@ refusal the ingress got when it rebuilt an older job's body (:class:`StoredRefus
 The record is versioned (``"v"``, :data:`FORMAT_VERSION`). Format 1, that of earlier
 releases, stored no request (an empty field) and only the client's body, which the replica
 then validated and tokenized itself: the ingress rebuilds such a job's request from its body
-(:meth:`deployments.jobs_http.JobsFront.rebuild_stored`); a replica that meets one that was
+(:meth:`deployments.http.jobs_http.JobsFront.rebuild_stored`); a replica that meets one that was
 not rebuilt, or a format it does not know, cannot read it (:class:`UnreadableJobError`).
 
 Pure: JSON (no Ray, torch or FastAPI).

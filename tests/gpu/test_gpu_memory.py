@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 
-from deployments.profiling import measure_replica
+from deployments.replica.profiling import measure_replica
 from scripts.gpu_check.plan import GPU_FIT_ERROR_BOUND
 from serve_app.config import parse_args
 

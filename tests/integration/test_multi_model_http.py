@@ -22,7 +22,7 @@ import soundfile
 from sentence_transformers import SentenceTransformer
 from transformers import AutoTokenizer
 
-from deployments.fail_fast import DeploymentRefused
+from deployments.cluster.fail_fast import DeploymentRefused
 from serve_app.app import build_app
 from serve_app.config import PACKAGED_NAME, parse_args
 from tests.model_dirs import build_causal_lm

@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from deployments.profiling import measure_replica
+from deployments.replica.profiling import measure_replica
 from serve_app.config import parse_args
 from tests.support import MiB, fake_app_args
 

@@ -36,7 +36,8 @@ QUIET_S = st.sampled_from([0.25, 0.5, 1.0, 2.5, 10.0])  # the non-zero steps
 class _Failing:
     """A request whose inference hit an out-of-memory error. Two things follow: the budget
     shrinks to ``aimd.on_oom()`` and the lease is released. The replica now does both in one
-    callback, shrink first (``finished`` in deployments/inference.py); the machine also plays
+    callback, shrink first (``finished`` in deployments/replica/inference.py); the machine also
+    plays
     them in the other order and with other events between them (as an earlier replica did,
     shrinking only when the error reached the caller), since the queue must hold up either way.
     """

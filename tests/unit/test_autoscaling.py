@@ -344,7 +344,7 @@ from ray.serve._private.autoscaling_state import _resolve_policy_callable  # noq
 from ray.serve._private.common import DeploymentID, ReplicaID  # noqa: E402
 from ray.serve.autoscaling_policy import _apply_autoscaling_config  # noqa: E402
 
-from deployments import autoscaling as adapter  # noqa: E402
+from deployments.cluster import autoscaling as adapter  # noqa: E402
 from serve_app import replica_state as keys  # noqa: E402
 from serve_app.replica_state import DeviceFigures, GateFigures, ReplicaState  # noqa: E402
 
@@ -357,7 +357,7 @@ def ray_autoscaling_config(policy: str, ray_delays_s: float = 0.0,
     return ray_config.AutoscalingConfig(
         min_replicas=1, max_replicas=6, upscale_delay_s=ray_delays_s,
         downscale_delay_s=ray_delays_s,
-        policy={"policy_function": f"deployments.autoscaling:{policy}",
+        policy={"policy_function": f"deployments.cluster.autoscaling:{policy}",
                 "policy_kwargs": policy_kwargs})
 
 

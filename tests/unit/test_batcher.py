@@ -27,8 +27,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deployments.engines.fake import FakeEngine
-from deployments.replica import Replica as ReplicaParts
-from deployments.replica import ReplicaIdentity
+from deployments.replica.parts import Replica as ReplicaParts
+from deployments.replica.parts import ReplicaIdentity
 from serve_app.admission.ticket import Ticket
 from serve_app.config import parse_args
 from serve_app.errors import OverloadedError
@@ -59,7 +59,7 @@ def replica_args(max_batch_size: int = 8, max_wait_ms: float = 0.0,
 
 
 class Replica:
-    """A real model replica's parts (:class:`deployments.replica.Replica`) without Ray: one
+    """A real model replica's parts (:class:`deployments.replica.parts.Replica`) without Ray: one
     inference thread, the fake engine (exact bytes per token; ``sleep`` is its inference
     time), the gate, the batcher and the request lifecycle."""
 

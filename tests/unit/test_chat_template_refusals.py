@@ -13,8 +13,8 @@ from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
 from deployments.engines.registry import engine_class
-from deployments.idempotency_guard import IdempotencyGuard
-from deployments.request_factory import RequestFactory
+from deployments.http.idempotency_guard import IdempotencyGuard
+from deployments.http.request_factory import RequestFactory
 from serve_app.config import parse_args
 from serve_app.errors import InvalidRequestError
 from serve_app.metrics import ProcessMetrics

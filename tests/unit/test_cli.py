@@ -114,12 +114,12 @@ def test_a_bad_command_line_is_one_line_and_exit_1(capsys: pytest.CaptureFixture
 
 def test_an_unexpected_error_is_one_line_naming_its_type(
         tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    import deployments.profiling
+    import deployments.replica.profiling
 
     def fail(args, on_progress):
         raise RuntimeError("CUDA error: an illegal memory access\nwas encountered")
 
-    monkeypatch.setattr(deployments.profiling, "measure_replica", fail)
+    monkeypatch.setattr(deployments.replica.profiling, "measure_replica", fail)
     path = write_config(tmp_path, {"name": "x", "import_path": OURS,
                                    "args": {"model": {"task": "fake"}}})
     status, err = run_main(capsys, "profile", "--config", str(path))
@@ -165,12 +165,12 @@ def test_the_measurement_is_fresh_and_on_the_replicas_device() -> None:
 
 def test_insufficient_memory_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture,
                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    import deployments.profiling
+    import deployments.replica.profiling
 
     def refuse(args, on_progress):
         raise InsufficientMemoryError("budget of -5 bytes cannot hold the largest request")
 
-    monkeypatch.setattr(deployments.profiling, "measure_replica", refuse)
+    monkeypatch.setattr(deployments.replica.profiling, "measure_replica", refuse)
     path = write_config(tmp_path, {"name": "x", "import_path": OURS})
     status, err = run_main(capsys, "profile", "--config", str(path))
     assert status == 1
@@ -289,7 +289,7 @@ def test_the_profile_table_says_its_units_and_is_printed_once(
 
 
 def test_a_replica_logs_the_profile_table_with_its_units(caplog: pytest.LogCaptureFixture) -> None:
-    from deployments.profiling import measure_replica
+    from deployments.replica.profiling import measure_replica
 
     progress: list[str] = []
     with caplog.at_level(logging.INFO, logger="ray.serve"):

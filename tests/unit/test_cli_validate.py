@@ -161,7 +161,7 @@ def test_plan_uses_the_measurement_serve_run_cached(tmp_path: Path,
                                                     capsys: pytest.CaptureFixture) -> None:
     import time
 
-    from deployments.profiling import measure_replica
+    from deployments.replica.profiling import measure_replica
     from serve_app.measurement import (
         Measurement,
         MeasurementCache,

@@ -16,7 +16,7 @@ import pytest
 from deployments.engines.fake import exact_cost_model
 from deployments.engines.generation import GenerationEngine
 from deployments.engines.stepping import SequenceStart
-from deployments.replica import Replica, ReplicaIdentity
+from deployments.replica.parts import Replica, ReplicaIdentity
 from serve_app.config import parse_args
 from serve_app.kinds import build_request
 from serve_app.memory.simulated import SimulatedDevice, SimulatedDeviceProbe

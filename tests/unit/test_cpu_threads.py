@@ -16,7 +16,7 @@ from deployments.engines.cpu_threads import (
     probe_shape,
     time_candidates,
 )
-from deployments.profiling import measure_replica
+from deployments.replica.profiling import measure_replica
 from serve_app.config import parse_args
 from serve_app.memory.cost_model import Shape
 from tests.embedding_dirs import build_sentence_transformer

@@ -1,4 +1,4 @@
-"""Token-level continuous batching (deployments/decode_loop.py) on real parts: the replica's
+"""Token-level continuous batching (deployments/replica/decode_loop.py) on real parts: the replica's
 inference thread, the admission gate and the fake engine's paged KV cache on a simulated
 device exactly the budget's size (any byte held beyond the leases is an OOM), no Ray.
 

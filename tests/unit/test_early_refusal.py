@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from deployments.model_client import ModelClient
-from deployments.replica_view import ReplicaView
+from deployments.http.model_client import ModelClient
+from deployments.http.replica_view import ReplicaView
 from serve_app.admission.policy import BudgetPolicy
 from serve_app.config import parse_args
 from serve_app.memory.cost_model import CorrectedCostModel, FittedCostModel

@@ -6,7 +6,7 @@ from __future__ import annotations
 import signal
 import subprocess
 
-from deployments.fail_fast import stop_signal
+from deployments.cluster.fail_fast import stop_signal
 
 
 def _sleeper(ignore_sighup: bool) -> subprocess.Popen:

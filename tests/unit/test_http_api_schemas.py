@@ -9,7 +9,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from deployments.http_errors import install_error_handlers
+from deployments.http.http_errors import install_error_handlers
 from serve_app.schemas import CompletionRequest, EmbeddingRequest
 
 # The exact body the fuzzer sent: `false` is no JSON number, yet it was accepted as 0.0.

@@ -15,8 +15,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
-from deployments.http_errors import as_serve_app_error, error_response
-from deployments.http_middleware import BodyLimitMiddleware
+from deployments.http.http_errors import as_serve_app_error, error_response
+from deployments.http.http_middleware import BodyLimitMiddleware
 from serve_app.config import parse_args
 from tests.ingress_parts import ingress_app
 

@@ -14,8 +14,8 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from deployments.ingress import Ingress
-from deployments.served_models import ModelBinding
+from deployments.http.ingress import Ingress
+from deployments.http.served_models import ModelBinding
 from serve_app.config import PACKAGED_NAME, parse_args
 from tests.ingress_parts import ingress_app
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
-from deployments.job_broker import JobBroker
+from deployments.cluster.job_broker import JobBroker
 from tests.support import read_job, write_job
 
 Broker = JobBroker.func_or_class  # the class Ray Serve runs as the deployment's replicas

@@ -10,7 +10,7 @@ from functools import partial
 
 import redis.asyncio as aioredis
 
-from deployments.jobs_worker import store_outcome
+from deployments.replica.jobs_worker import store_outcome
 from serve_app.jobs.embedded import EmbeddedRedis
 from serve_app.jobs.store import JobStore
 from serve_app.jobs.view import JobStatus

@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
-from deployments.jobs_http import JobsFront
-from deployments.jobs_worker import UNREADABLE_WAIT_S, JobWorker
-from deployments.replica_view import ReplicaView
-from deployments.request_factory import RequestFactory
-from deployments.routes import ROUTES, RouteContext
+from deployments.http.jobs_http import JobsFront
+from deployments.http.replica_view import ReplicaView
+from deployments.http.request_factory import RequestFactory
+from deployments.http.routes import ROUTES, RouteContext
+from deployments.replica.jobs_worker import UNREADABLE_WAIT_S, JobWorker
 from serve_app.admission.policy import policy_class
 from serve_app.errors import InvalidRequestError
 from serve_app.jobs.config import JobsConfig

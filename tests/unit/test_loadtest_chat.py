@@ -75,8 +75,8 @@ def test_sse_data_reads_events_as_the_standard_says() -> None:
 
 
 def test_the_chat_route_s_streams_read_as_complete() -> None:
-    from deployments.routes.chat import _ChatReply
-    from deployments.routes.generation import _sse
+    from deployments.http.routes.chat import _ChatReply
+    from deployments.http.routes.generation import _sse
 
     reply = _ChatReply("chatcmpl-1", 0, "fake")
     events = [*reply.opening(), reply.piece("alpha", None), reply.piece(" bravo", "length"),
@@ -88,8 +88,8 @@ def test_the_chat_route_s_streams_read_as_complete() -> None:
 
 
 def test_a_queued_stream_refused_in_band_carries_its_wait() -> None:
-    from deployments.routes.completions import _Completion
-    from deployments.routes.generation import _in_band, render
+    from deployments.http.routes.completions import _Completion
+    from deployments.http.routes.generation import _in_band, render
     from serve_app.errors import OverloadedError
     from serve_app.stream_events import Queued
 

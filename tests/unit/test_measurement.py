@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from deployments.cluster.fail_fast import _is_live_serve_run, refusal_text
 from deployments.engines.fake import FakeEngine
-from deployments.fail_fast import _is_live_serve_run, refusal_text
 from serve_app import planning
 from serve_app.config import parse_args
 from serve_app.measurement import (

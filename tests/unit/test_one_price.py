@@ -3,7 +3,7 @@ router ranks replicas by) equals the lease the replica then takes.
 
 Real parts on both sides, no Ray: the ingress's request factory with the engine's own front
 end and the replica's published cost model (pickled, as it travels through the registry);
-the replica's parts (:class:`deployments.replica.Replica`) on the fake engine, admitting each
+the replica's parts (:class:`deployments.replica.parts.Replica`) on the fake engine, admitting each
 request through its lifecycle. The lease is read from the replica's gate (bytes charged).
 """
 
@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deployments.engines.fake import FakeEngine
-from deployments.replica import Replica, ReplicaIdentity
-from deployments.request_factory import RequestFactory
+from deployments.http.request_factory import RequestFactory
+from deployments.replica.parts import Replica, ReplicaIdentity
 from serve_app.admission.policy import policy_class
 from serve_app.config import parse_args
 from serve_app.kinds import KINDS

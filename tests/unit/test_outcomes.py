@@ -10,8 +10,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from deployments.device_health import draining_error
-from deployments.http_errors import as_serve_app_error
+from deployments.http.http_errors import as_serve_app_error
+from deployments.replica.device_health import draining_error
 from serve_app.admission import queue
 from serve_app.admission.controller import _refusal
 from serve_app.jobs.view import JobStatus

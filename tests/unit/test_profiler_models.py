@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.profiling import measure_replica
+from deployments.replica.profiling import measure_replica
 from serve_app.config import parse_args
 from serve_app.memory.profiler import ANALYTIC_FACTOR_BOUND, CPU_FIT_ERROR_BOUND
 from tests.support import build_tiny_causal_lm, measure_in_fresh_process

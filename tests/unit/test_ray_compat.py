@@ -1,5 +1,5 @@
 """The private Ray Serve method the ingress uses is there in the installed Ray, and is not
-called on a Ray it was not checked on (``deployments/ray_compat.py``)."""
+called on a Ray it was not checked on (``deployments/cluster/ray_compat.py``)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import ray
 from ray.serve.handle import DeploymentResponse, DeploymentResponseGenerator
 
-from deployments.model_client import ModelClient
-from deployments.ray_compat import PRIVATE_METHOD, private_api_checked, replica_assigned
+from deployments.cluster.ray_compat import PRIVATE_METHOD, private_api_checked, replica_assigned
+from deployments.http.model_client import ModelClient
 from serve_app.errors import OverloadedError
 from serve_app.memory.cost_model import Shape
 from serve_app.request import InferenceRequest
@@ -21,7 +21,7 @@ from serve_app.request import InferenceRequest
 def test_the_installed_ray_is_one_the_private_call_was_checked_on() -> None:
     assert private_api_checked(ray.__version__), (
         f"Ray {ray.__version__}: read DeploymentResponse.{PRIVATE_METHOD} in this version, "
-        "then add it to deployments/ray_compat.py CHECKED_RAY_VERSIONS and pyproject.toml")
+        "then add it to deployments/cluster/ray_compat.py CHECKED_RAY_VERSIONS and pyproject.toml")
 
 
 @pytest.mark.parametrize("response_class", [DeploymentResponse, DeploymentResponseGenerator])

@@ -1,5 +1,5 @@
 """What a model replica hands Ray Serve (``ModelServer.infer``/``infer_stream`` call
-:meth:`deployments.replica.Replica.answer` / ``answer_stream``), on real parts without Ray.
+:meth:`deployments.replica.parts.Replica.answer` / ``answer_stream``), on real parts without Ray.
 
 A typed error (a refusal: 400, 503) is returned as a value, not raised, and is one INFO line
 of the request log: an exception escaping a Ray Serve method is logged ``ERROR ... Request

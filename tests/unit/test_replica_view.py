@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from deployments.replica_view import STALE_WHILE_FETCHING_S, STATUS_CACHE_S, ReplicaView
+from deployments.http.replica_view import STALE_WHILE_FETCHING_S, STATUS_CACHE_S, ReplicaView
 from serve_app.admission.policy import BudgetPolicy
 from tests.unit.conftest import FakeClock
 

@@ -1,6 +1,6 @@
 """Budget-aware routing: pure ranking and reservations, then the Ray adapter on Ray's fakes.
 
-The adapter tests build :class:`deployments.router.BudgetAwareRequestRouter` with Ray's own
+The adapter tests build :class:`deployments.cluster.router.BudgetAwareRequestRouter` with Ray's own
 request-router test double (``ray.serve._private.test_utils.FakeRunningReplica``, the one
 Ray's pow-2 router tests use), extended only by the ``routing_stats`` property it lacks. No
 Ray runtime is started (the autouse fixture makes ``ray.init`` raise).
@@ -306,7 +306,7 @@ def _report(free: int, measured_at_unix_s: float | None = None) -> dict:
 
 
 def _router(replicas: list[StatsReplica], node_id: str | None = None):
-    from deployments.router import BudgetAwareRequestRouter
+    from deployments.cluster.router import BudgetAwareRequestRouter
 
     router = BudgetAwareRequestRouter(
         deployment_id=common.DeploymentID(name="model"),
@@ -415,7 +415,7 @@ async def test_adapter_rejects_unknown_router_kwargs() -> None:
 async def test_ray_loads_the_router_from_its_config_path_and_builds_it_as_ray_does() -> None:
     from ray.serve.config import RequestRouterConfig
 
-    from deployments.router import ROUTER_CLASS_PATH
+    from deployments.cluster.router import ROUTER_CLASS_PATH
 
     config = RequestRouterConfig(request_router_class=ROUTER_CLASS_PATH,
                                  request_routing_stats_period_s=1.0,

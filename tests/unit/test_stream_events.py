@@ -1,6 +1,6 @@
 """The items of a streamed request (:mod:`serve_app.stream_events`): they cross Ray Serve
 pickled, and the ingress writes them as server-sent events in one place
-(:func:`deployments.routes.generation.render`), byte for byte as a client reads them."""
+(:func:`deployments.http.routes.generation.render`), byte for byte as a client reads them."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from deployments.model_client import _raised
-from deployments.routes.chat import _ChatReply
-from deployments.routes.completions import _Completion
-from deployments.routes.generation import GenerationRoute, render
+from deployments.http.model_client import _raised
+from deployments.http.routes.chat import _ChatReply
+from deployments.http.routes.completions import _Completion
+from deployments.http.routes.generation import GenerationRoute, render
 from serve_app.errors import InferenceTimeoutError, OverloadedError
 from serve_app.schemas import Admitted
 from serve_app.stream_events import Finished, Queued, StreamError, TextPiece

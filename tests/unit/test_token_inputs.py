@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from deployments.engines.embeddings import EmbeddingEngine
-from deployments.request_factory import RequestFactory
+from deployments.http.request_factory import RequestFactory
 from serve_app.config import parse_args
 from serve_app.errors import InvalidRequestError
 from serve_app.kinds import KINDS

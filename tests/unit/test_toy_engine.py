@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from deployments.engines.registry import engine_class
-from deployments.request_factory import RequestFactory
+from deployments.http.request_factory import RequestFactory
 from serve_app.admission.policy import policy_class
 from serve_app.config import parse_args
 from serve_app.kinds import KINDS

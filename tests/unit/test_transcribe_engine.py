@@ -17,8 +17,8 @@ from fastapi.testclient import TestClient
 from deployments.engines.audio import decode_audio
 from deployments.engines.registry import engine_class
 from deployments.engines.transcribe import TranscribeEngine
-from deployments.idempotency_guard import IdempotencyGuard
-from deployments.request_factory import RequestFactory
+from deployments.http.idempotency_guard import IdempotencyGuard
+from deployments.http.request_factory import RequestFactory
 from serve_app.config import parse_args
 from serve_app.errors import BodyTooLargeError, InvalidRequestError
 from serve_app.kinds import KINDS, audio_frames, build_request
@@ -212,7 +212,7 @@ def test_a_request_is_priced_by_its_frames_and_batched_by_language_and_prompt(
 
 
 def test_replies_have_openai_s_shapes(engine) -> None:
-    from deployments.routes.transcriptions import (
+    from deployments.http.routes.transcriptions import (
         TranscriptionForm,
         TranscriptionResponse,
         VerboseTranscriptionResponse,

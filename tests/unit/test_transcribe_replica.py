@@ -14,8 +14,8 @@ import soundfile
 
 from deployments.engines.devices import make_probe
 from deployments.engines.transcribe import TranscribeEngine
-from deployments.replica import Replica
-from deployments.request_factory import RequestFactory
+from deployments.http.request_factory import RequestFactory
+from deployments.replica.parts import Replica
 from serve_app.admission.policy import policy_class
 from serve_app.config import parse_args
 from serve_app.kinds import KINDS

@@ -44,7 +44,7 @@ def _poison(home: Path) -> None:
     ``home``'s ``~/.cache/vramgate``: a measurement under the key of ``configs/fake.yaml``
     (the profile of a smaller fake model: its figures differ from the analytic estimate),
     and a job store directory of the model ``fake``."""
-    from deployments.profiling import measure_replica
+    from deployments.replica.profiling import measure_replica
 
     entry = yaml.safe_load(FAKE.read_text())["applications"][0]
     args = parse_args(entry["args"])

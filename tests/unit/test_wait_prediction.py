@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 
-from deployments.http_errors import error_response
+from deployments.http.http_errors import error_response
 from serve_app.admission.budget import MemoryBudget
 from serve_app.admission.calibration import MIN_ERRORS, WaitCalibration
 from serve_app.admission.controller import AdmissionController

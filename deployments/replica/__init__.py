@@ -1,0 +1,2 @@
+"""The model replica: Ray Serve's hooks, the request lifecycle, batcher, decode loop,
+inference thread, device health, profiling and the durable-job worker."""
