@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from serve_app.request import GenerationParams
 
 if TYPE_CHECKING:
-    from deployments.engines.base import FrontEnd
+    from deployments.engines.spec import FrontEnd
 
 WORDS = tuple("""the a man woman child dog cat house car tree river city road water light day
 night time year people world life hand part place case week company system program question

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from transformers import AutoModel
 
-from deployments.engines.base import EmbeddingRunner
 from deployments.engines.hf import CANARY_TEXT, HFEngine, HFFrontEnd, padded
+from deployments.engines.runners import EmbeddingRunner
 from deployments.engines.st_layout import EmbeddingLayout, UnsupportedLayout, read_layout
 from serve_app.config import AppArgs, config_error
 from serve_app.errors import InvalidRequestError

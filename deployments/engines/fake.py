@@ -21,22 +21,18 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import KW_ONLY, dataclass, field
+from typing import Any
 
 import numpy as np
 
-from deployments.engines.base import (
-    EmbeddingRunner,
-    Engine,
-    GenerationRunner,
-    OpenedEngine,
-    batch_params,
-)
+from deployments.engines.base import OpenedEngine
 from deployments.engines.fake_stepping import FakeDecodeSteps
+from deployments.engines.runners import EmbeddingRunner, GenerationRunner, batch_params
 from deployments.engines.words import SPECIAL_TOKENS, VOCAB, WordFrontEnd, decode_words, digest
 from serve_app.config import AppArgs, FakeConfig, config_error
 from serve_app.memory.cost_model import AnalyticCostModel, FittedCostModel, TransformerShape
 from serve_app.memory.simulated import Allocation, SimulatedDevice, SimulatedDeviceProbe
-from serve_app.request import GenerationOutput, GenerationParams
+from serve_app.request import GenerationOutput, GenerationParams, InferenceRequest
 
 
 def default_shape(dimensions: int, max_seq_tokens: int) -> TransformerShape:
@@ -56,7 +52,7 @@ def exact_cost_model(bytes_per_token: int, bytes_per_request: int) -> FittedCost
 
 
 @dataclass
-class FakeEngine(FakeDecodeSteps, EmbeddingRunner, GenerationRunner, Engine):
+class FakeEngine(FakeDecodeSteps, EmbeddingRunner, GenerationRunner):
     """Embeds and generates without a model, holding simulated device memory; serves both
     ``embed`` and ``generate`` (:mod:`deployments.engines.base`). Call from one thread.
     Its front end is :class:`~deployments.engines.words.WordFrontEnd`.
@@ -220,6 +216,11 @@ class FakeEngine(FakeDecodeSteps, EmbeddingRunner, GenerationRunner, Engine):
 
     def analytic_model(self) -> AnalyticCostModel:
         return AnalyticCostModel(self.shape)
+
+    def run_batch(self, requests: Sequence[InferenceRequest]) -> list[Any]:
+        """One pass of ``embed`` or of ``generate`` requests (they share a kind)."""
+        runners = {"embed": self.run_embed, "generate": self.run_generate}
+        return runners[requests[0].kind](requests)
 
     def profile_run(self, batch: int, prompt_tokens: int, new_tokens: int = 0) -> None:
         """Hold exactly what a request of this shape holds, for as long as it would run

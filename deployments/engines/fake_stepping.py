@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from deployments.engines.stepping import (
     KV_BLOCK_TOKENS,
+    DecodeStepper,
     SequenceStart,
     SequenceUpdate,
     StopStrings,
@@ -41,11 +42,9 @@ class _FakeSequence:
         return len(self.start.ids) + self.tokens
 
 
-class FakeDecodeSteps:
+class FakeDecodeSteps(DecodeStepper):
     """:class:`deployments.engines.stepping.DecodeStepper` for
     :class:`deployments.engines.fake.FakeEngine` (see module docstring)."""
-
-    decode_steps = True
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, StoppingCriteria, TextStreamer
 
-from deployments.engines.base import GenerationRunner, batch_params
 from deployments.engines.decode_batch import DenseDecodeBatch
 from deployments.engines.hf import HFEngine, HFFrontEnd, padded
-from deployments.engines.stepping import SequenceStart, SequenceUpdate, StopStrings
+from deployments.engines.runners import GenerationRunner, batch_params
+from deployments.engines.stepping import DecodeStepper, SequenceStart, SequenceUpdate, StopStrings
 from serve_app.config import AppArgs, config_error
 from serve_app.memory.cost_model import TransformerShape
 from serve_app.request import GenerationOutput, GenerationParams
@@ -81,7 +81,7 @@ class _StopWhen(StoppingCriteria):
         return self._streamer.stopped
 
 
-class GenerationEngine(GenerationRunner, HFEngine):
+class GenerationEngine(DecodeStepper, GenerationRunner, HFEngine):
     """A loaded causal LM and its tokenizer (arguments: :class:`HFEngine`), serving
     ``generate`` requests. ``generate_ids`` and ``profile_run`` must be called from one
     thread."""

@@ -12,9 +12,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from deployments.engines.base import Engine, FrontEndDefaults, OpenedEngine
+from deployments.engines.base import OpenedEngine, PassRunner
 from deployments.engines.cpu_threads import ThreadChoice, choose_threads, probe_shape
 from deployments.engines.devices import resolve_dtype
+from deployments.engines.spec import EngineSpec, FrontEndDefaults
 from serve_app.config import AppArgs, config_error
 from serve_app.errors import InvalidRequestError
 from serve_app.memory.cost_model import DTYPE_BYTES, AnalyticCostModel, TransformerShape
@@ -148,8 +149,8 @@ def padded(input_ids: Sequence[Sequence[int]], pad_id: int,
     return {"input_ids": ids, "attention_mask": mask}
 
 
-class ModelDirectoryEngine(Engine):
-    """An engine that loads the model directory ``model.path``: it is named, and its
+class ModelDirectoryEngine(EngineSpec):
+    """The spec of an engine that loads the model directory ``model.path``: it is named, and its
     profiles recorded, by that directory."""
 
     @classmethod
@@ -161,7 +162,7 @@ class ModelDirectoryEngine(Engine):
         return str(args.model.resolved_path())
 
 
-class HFEngine(ModelDirectoryEngine):
+class HFEngine(ModelDirectoryEngine, PassRunner):
     """A loaded Hugging Face model directory; the embedding and generation engines build on
     it.
 

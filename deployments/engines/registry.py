@@ -2,7 +2,8 @@
 
 ``model.engine`` (or, when it is empty, ``model.task``) is a registered name from
 :data:`BUILTIN_ENGINES`, or your own engine class as ``package.module:ClassName``: a subclass
-of :class:`deployments.engines.base.Engine` importable on every node (installed, or on the
+of :class:`deployments.engines.base.PassRunner` or
+:class:`~deployments.engines.base.AsyncScheduler` importable on every node (installed, or on the
 Python path the driver gives Ray's workers). Modules are imported only when asked for, so
 choosing the fake engine loads no torch model code.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 
-from deployments.engines.base import Engine
+from deployments.engines.base import AsyncScheduler, Engine, PassRunner
 from serve_app.config import AppArgs, config_error
 from serve_app.kinds import KINDS
 
@@ -30,8 +31,9 @@ def engine_class(args: AppArgs) -> type[Engine]:
 
     Raises:
         serve_app.config.ConfigError: an unknown name, a class that cannot be imported, is
-            not an :class:`Engine` or serves an unknown request kind, or ``args`` the engine
-            refuses (the message names the key).
+            neither a :class:`PassRunner` nor an :class:`AsyncScheduler`, serves an unknown
+            request kind (or, scheduling itself, one that does not generate), or ``args`` the
+            engine refuses (the message names the key).
     """
     name = args.model.engine_name
     key = "model.engine" if args.model.engine else "model.task"
@@ -44,12 +46,26 @@ def engine_class(args: AppArgs) -> type[Engine]:
         cls = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as exc:
         raise config_error(key, f"cannot import the engine {path}: {exc}") from None
-    if not (isinstance(cls, type) and issubclass(cls, Engine)):
-        raise config_error(key, f"{path} is not a subclass of "
-                           "deployments.engines.base.Engine")
+    _check_capability(cls, path, key)
     unknown = [kind for kind in cls.kinds if kind not in KINDS] if cls.kinds else ["none"]
     if unknown:
         raise config_error(key, f"{path} serves request kinds {list(cls.kinds)}; each must be "
                            f"one of {sorted(KINDS)}")
     cls.check_args(args)
     return cls
+
+
+def _check_capability(cls: object, path: str, key: str) -> None:
+    """``cls`` is an engine the replica can run: a pass runner, or a scheduler of its own
+    whose kinds all generate (its events are text).
+
+    Raises:
+        serve_app.config.ConfigError: it is not.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, (PassRunner, AsyncScheduler))):
+        raise config_error(key, f"{path} is neither a deployments.engines.base.PassRunner "
+                           "nor an AsyncScheduler: subclass one (docs/engines.md)")
+    if issubclass(cls, AsyncScheduler) and not all(KINDS[k].generates for k in cls.kinds
+                                                   if k in KINDS):
+        raise config_error(key, f"{path} schedules itself, so it serves kinds that generate "
+                           f"only, not {list(cls.kinds)}")

@@ -1,12 +1,12 @@
 """The engine's side of token-level (iteration-level) continuous batching.
 
-An engine that generates offers one call, :meth:`DecodeStepper.decode_step`, run on the
-replica's inference thread by :class:`deployments.replica.decode_loop.DecodeLoop`: drop the
-sequences
-that left (their KV cache is freed), prefill the sequences that join (each gets its first
-token), and decode one token for every sequence already running, all in one step; sequences
-that finish in the step (an EOS id, a stop string, ``max_tokens``) are freed in it too. What
-joins when is the loop's business (:mod:`deployments.replica.decode_loop`); which tokens come out is
+An engine that generates and is a :class:`DecodeStepper` offers one call,
+:meth:`DecodeStepper.decode_step`, run on the replica's inference thread by
+:class:`deployments.replica.decode_loop.DecodeLoop`: drop the sequences that left (their KV
+cache is freed), prefill the sequences that join (each gets its first token), and decode one
+token for every sequence already running, all in one step; sequences that finish in the step
+(an EOS id, a stop string, ``max_tokens``) are freed in it too. What joins when is the loop's
+business (:mod:`deployments.replica.decode_loop`); which tokens come out is
 the engine's, per sequence: a greedy sequence gets exactly the tokens it gets alone.
 
 Iteration-level scheduling as Orca (Yu et al., OSDI 2022, "Orca: A Distributed Serving
@@ -16,9 +16,9 @@ torch here: the fake engine steps on machines without it.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from serve_app.request import GenerationParams
 
@@ -60,15 +60,25 @@ class SequenceUpdate:
     finish_reason: str | None = None
 
 
-class DecodeStepper(Protocol):
-    """What :class:`deployments.replica.decode_loop.DecodeLoop` needs of an engine.
+class DecodeStepper(ABC):
+    """The capability of a :class:`~deployments.engines.base.PassRunner` that generates to
+    step a running decode batch (module docstring): what
+    :class:`deployments.replica.decode_loop.DecodeLoop` needs. The replica runs completions
+    on continuous batching when the engine is one (``isinstance``), its :attr:`decode_steps`
+    is true and ``batching.continuous`` is on."""
 
-    Attributes:
-        kv_bytes_per_token: device bytes one token's KV cache takes (all layers, K and V).
-    """
+    @property
+    def decode_steps(self) -> bool:
+        """Whether this loaded model can step (a model may not, e.g. with sliding-window
+        attention); ``True`` by default."""
+        return True
 
-    kv_bytes_per_token: int
+    @property
+    @abstractmethod
+    def kv_bytes_per_token(self) -> int:
+        """Device bytes one token's KV cache takes (all layers, K and V)."""
 
+    @abstractmethod
     def decode_step(self, joining: Sequence[SequenceStart],
                     leaving: Sequence[int]) -> dict[int, SequenceUpdate]:
         """One step (see module docstring). Returns an update per sequence in the step (the
@@ -79,9 +89,11 @@ class DecodeStepper(Protocol):
             torch.OutOfMemoryError: the device ran out of memory during the step.
         """
 
+    @abstractmethod
     def kv_tokens_held(self) -> int:
         """Token slots of KV cache held now (padding included where the cache is dense)."""
 
+    @abstractmethod
     def kv_tokens_for(self, rows: Sequence[tuple[int, int]]) -> int:
         """The most token slots the cache will hold if sequences with ``rows`` = ``(tokens
         held now, tokens still to generate)`` each run together to their ends, none joining:

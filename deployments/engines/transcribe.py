@@ -25,9 +25,10 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from deployments.engines.base import FrontEndDefaults
+from deployments.engines.base import PassRunner
 from deployments.engines.devices import resolve_dtype
 from deployments.engines.hf import ModelDirectoryEngine
+from deployments.engines.spec import FrontEndDefaults
 from serve_app.config import AppArgs, config_error
 from serve_app.errors import InvalidRequestError
 from serve_app.kinds import AUDIO_HOP_SAMPLES, AUDIO_WINDOW_FRAMES
@@ -112,7 +113,7 @@ class WhisperFrontEnd(FrontEndDefaults):
                                   / AUDIO_SAMPLE_RATE_HZ}}
 
 
-class TranscribeEngine(ModelDirectoryEngine):
+class TranscribeEngine(ModelDirectoryEngine, PassRunner):
     """A loaded Whisper model serving ``transcribe`` requests (see module docstring).
 
     Args:
@@ -173,7 +174,7 @@ class TranscribeEngine(ModelDirectoryEngine):
 
     # --- the instance ------------------------------------------------------------------
 
-    def run_transcribe(self, requests: Sequence[InferenceRequest]) -> list[TranscriptionOutput]:
+    def run_batch(self, requests: Sequence[InferenceRequest]) -> list[TranscriptionOutput]:
         """One padded pass over the requests' files (they share a batch key: language,
         temperature, prompt), each transcribed as it would be alone."""
         params = [r.params for r in requests]
@@ -259,7 +260,7 @@ class TranscribeEngine(ModelDirectoryEngine):
         noise = np.random.default_rng(0).standard_normal(samples).astype(np.float32) * 0.1
         params = TranscriptionParams(noise)
         request = InferenceRequest(self.kinds[0], ((),), Shape(1, prompt_tokens, 0), params)
-        self.run_transcribe([request] * batch)
+        self.run_batch([request] * batch)
 
     @torch.inference_mode()
     def canary(self) -> bool:

@@ -10,7 +10,7 @@ import hashlib
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 
-from deployments.engines.base import FrontEndDefaults
+from deployments.engines.spec import FrontEndDefaults
 from serve_app.request import GenerationParams
 from serve_app.token_inputs import SpecialTokens
 

@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Sequence
 
 from deployments.engines.audio import decode_audio
-from deployments.engines.base import FrontEnd
+from deployments.engines.spec import FrontEnd
 from serve_app.config import AppArgs
 from serve_app.errors import InvalidRequestError
 from serve_app.kinds import RequestKind, build_request

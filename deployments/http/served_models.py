@@ -19,8 +19,8 @@ from fastapi import FastAPI, Request
 from ray.serve.handle import DeploymentHandle
 
 from deployments.cluster.job_broker import open_job_store
-from deployments.engines.base import Engine, FrontEnd
 from deployments.engines.registry import engine_class
+from deployments.engines.spec import EngineSpec, FrontEnd
 from deployments.http.idempotency_guard import IdempotencyGuard
 from deployments.http.jobs_http import JobsFront
 from deployments.http.model_client import ModelClient
@@ -52,7 +52,7 @@ class ModelFront:
     Attributes:
         args: its validated args.
         engine: its engine class.
-        front_end: its tokenizer and context (:meth:`Engine.front_end`).
+        front_end: its tokenizer and context (:meth:`EngineSpec.front_end`).
         replicas: the view of its replicas only.
         client: sends requests to its model deployment.
         routes: its inference routes, by path.
@@ -60,7 +60,7 @@ class ModelFront:
     """
 
     args: AppArgs
-    engine: type[Engine]
+    engine: type[EngineSpec]
     front_end: FrontEnd
     replicas: ReplicaView
     client: ModelClient

@@ -28,6 +28,7 @@ from deployments.replica.decode_loop import DecodeLoop
 from deployments.replica.device_health import DeviceHealth, draining_error
 from deployments.replica.inference import InferenceThread
 from deployments.replica.request_log import RequestLog
+from deployments.replica.scheduled import ScheduledRuns
 from serve_app.admission.controller import Admission, AdmissionController, OnQueued
 from serve_app.admission.ticket import Ticket
 from serve_app.config import AppArgs
@@ -63,6 +64,8 @@ class RequestLifecycle:
         batcher: the batcher, or ``None`` (``batching.enabled: false``).
         decode: the continuous-batching loop completions run on, or ``None``
             (``batching.continuous: false``, or an engine without decode steps).
+        scheduled: the runs of an engine that schedules itself, or ``None``: every request
+            then goes to it once admitted (no batcher, thread or decode loop).
         health: the device health (faults refuse requests).
         args: the config (model name, limits, timeouts).
         metrics, log: the replica's metrics and request log.
@@ -75,9 +78,10 @@ class RequestLifecycle:
                  health: DeviceHealth, args: AppArgs, metrics: ProcessMetrics,
                  log: RequestLog, replica_id: str = "local",
                  request_id: Callable[[], str] = lambda: "",
-                 decode: DecodeLoop | None = None) -> None:
+                 decode: DecodeLoop | None = None,
+                 scheduled: ScheduledRuns | None = None) -> None:
         self._engine, self._gate, self._pricer = engine, gate, pricer
-        self._decode = decode
+        self._decode, self._scheduled = decode, scheduled
         self._thread, self._batcher, self._health = thread, batcher, health
         self._args, self._metrics, self._log = args, metrics, log
         self._replica_id, self._request_id = replica_id, request_id
@@ -87,6 +91,11 @@ class RequestLifecycle:
         its own bytes are free) rather than in a forward pass (after the work admitted
         before it)."""
         return self._decode is not None and KINDS[request.kind].generates
+
+    def _joins_running_work(self, request: InferenceRequest) -> bool:
+        """Whether ``request`` starts once its own bytes are free (continuous batching, or an
+        engine that schedules itself), not after the work admitted before it."""
+        return self._scheduled is not None or self._steps(request)
 
     async def infer(self, request: InferenceRequest,
                     admission: Admission | None = None) -> InferenceResult:
@@ -109,7 +118,9 @@ class RequestLifecycle:
                 self._gate.release(admission.lease, ran=False)
             raise
         async with self._lease(request, admission) as ticket:
-            if self._steps(request):
+            if self._scheduled is not None:
+                output = await self._scheduled.result(ticket)
+            elif self._steps(request):
                 output = await self._decode.generate(ticket)
             elif self._batcher is not None:
                 output = await self._batcher.run(ticket)
@@ -140,8 +151,7 @@ class RequestLifecycle:
         async for item in self._admit_watched(request, admissions):
             yield item
         async with self._lease(request, admissions[0]) as ticket:
-            items = self._stream_steps(ticket) if self._decode is not None \
-                else self._stream(ticket)
+            items = self._stream_items(ticket)
             try:
                 async with contextlib.aclosing(items):  # closed now, not when collected
                     async for item in items:
@@ -232,7 +242,7 @@ class RequestLifecycle:
             waited_s = 0.0 if sent_at_s is None else max(0.0, time.time() - sent_at_s)
             admission = await self._gate.acquire(
                 self._pricer.policy.units(request_bytes), waited_s, request.wait_limit_s,
-                on_queued, after_in_flight=not self._steps(request))
+                on_queued, after_in_flight=not self._joins_running_work(request))
             # Kept with the lease: a batch runs outside this request's logging context.
             return replace(admission, request_id=self._request_id() or "")
         except ServeAppError as exc:
@@ -242,6 +252,22 @@ class RequestLifecycle:
         except asyncio.CancelledError:
             self._thread.client_gone(shape_bytes(self._pricer.cost_model, request.shape))
             raise
+
+    def _stream_items(self, ticket: Ticket) -> AsyncIterator[StreamEvent]:
+        """The items of an admitted stream, from whichever path runs it."""
+        if self._scheduled is not None:
+            return self._stream_scheduled(ticket)
+        if self._decode is not None:
+            return self._stream_steps(ticket)
+        return self._stream(ticket)
+
+    async def _stream_scheduled(self, ticket: Ticket) -> AsyncIterator[StreamEvent]:
+        """The :class:`Admitted` item, then the engine's own events (it admitted at once:
+        the engine schedules what it was given)."""
+        yield self._admitted(ticket)
+        async with contextlib.aclosing(self._scheduled.events(ticket)) as events:
+            async for event in events:
+                yield event
 
     async def _stream(self, ticket: Ticket) -> AsyncIterator[StreamEvent]:
         """The :class:`Admitted` item, then ``ticket``'s request run on the thread, its text

@@ -21,13 +21,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from deployments.engines.base import Engine
+from deployments.engines.base import AsyncScheduler, Engine
+from deployments.engines.stepping import DecodeStepper
 from deployments.replica.batching import RequestBatcher
 from deployments.replica.decode_loop import DecodeLoop
 from deployments.replica.device_health import DeviceHealth
 from deployments.replica.inference import InferenceThread
 from deployments.replica.lifecycle import RequestLifecycle
 from deployments.replica.request_log import RequestLog
+from deployments.replica.scheduled import ScheduledRuns
 from serve_app.admission.controller import AdmissionController
 from serve_app.admission.policy import make_policy
 from serve_app.config import AppArgs
@@ -94,14 +96,19 @@ class Replica:
         self.thread = InferenceThread(executor, probe, self.health, self.gate, adm, metrics,
                                       self.log)
         pricer = Pricer(self.cost_model, self.policy)
+        self.scheduled = ScheduledRuns(engine, self.thread, self.health,
+                                       adm.inference_timeout_s) \
+            if isinstance(engine, AsyncScheduler) else None
         self.batcher = RequestBatcher(self.thread, engine, pricer, args.batching) \
-            if args.batching.enabled else None
+            if args.batching.enabled and self.scheduled is None else None
         self.decode = DecodeLoop(self.thread, engine, args, metrics,
                                  lambda: self.policy.budget_bytes) \
-            if args.batching.continuous and getattr(engine, "decode_steps", False) else None
+            if args.batching.continuous and isinstance(engine, DecodeStepper) \
+            and engine.decode_steps else None
         self.lifecycle = RequestLifecycle(engine, self.gate, pricer, self.thread,
                                           self.batcher, self.health, args, metrics, self.log,
-                                          identity.replica_id, request_id, self.decode)
+                                          identity.replica_id, request_id, self.decode,
+                                          self.scheduled)
 
     async def answer(self, request: InferenceRequest) -> InferenceResult | ServeAppError:
         """:meth:`RequestLifecycle.infer`'s result, or its typed error (:meth:`refused`)

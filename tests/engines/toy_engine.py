@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from deployments.engines.base import EmbeddingRunner, Engine
+from deployments.engines.runners import EmbeddingRunner
 from deployments.engines.words import WordFrontEnd
 from serve_app.config import AppArgs
 from serve_app.memory.cost_model import Shape, register_feature
@@ -32,7 +32,7 @@ def _texts_word_pairs(texts: int, words: int, unused: int) -> float:
 register_feature("toy_texts_word_pairs", _texts_word_pairs)
 
 
-class ToyEngine(EmbeddingRunner, Engine):
+class ToyEngine(EmbeddingRunner):
     """Serves ``/v1/embeddings`` (kind ``embed``) with the toy model (module docstring)."""
 
     kinds = ("embed",)

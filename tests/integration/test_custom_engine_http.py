@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 
-from deployments.engines.base import EmbeddingRunner, Engine
+from deployments.engines.runners import EmbeddingRunner
 from deployments.engines.words import WordFrontEnd
 from serve_app.config import AppArgs
 from tests.support import by_label, scrape, total, wait_for
@@ -23,7 +23,7 @@ from tests.support import by_label, scrape, total, wait_for
 MiB = 1 << 20
 
 
-class ConstantEngine(EmbeddingRunner, Engine):
+class ConstantEngine(EmbeddingRunner):
     """A toy embedding engine (the example of docs/architecture.md)."""
 
     kinds = ("embed",)

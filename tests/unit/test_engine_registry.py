@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.engines.base import Engine
+from deployments.engines.base import AsyncScheduler, Engine, PassRunner
 from deployments.engines.embeddings import EmbeddingEngine
 from deployments.engines.fake import FakeEngine
 from deployments.engines.generation import GenerationEngine
@@ -14,18 +14,29 @@ from deployments.engines.transcribe import TranscribeEngine
 from serve_app.config import ConfigError, parse_args
 
 
-class ToyEngine(Engine):
+class ToyEngine(PassRunner):
     """An engine class defined outside the project (a test module)."""
 
     kinds = ("embed",)
 
 
-class NoKindsEngine(Engine):
+class NoKindsEngine(PassRunner):
     pass
 
 
-class UnknownKindEngine(Engine):
+class UnknownKindEngine(PassRunner):
     kinds = ("rerank",)
+
+
+class NoCapabilityEngine(Engine):
+    """Neither runs passes nor schedules itself (an engine written before the capabilities:
+    ``run_embed`` without ``run_batch``)."""
+
+    kinds = ("embed",)
+
+
+class SchedulingEmbedder(AsyncScheduler):
+    kinds = ("embed",)
 
 
 def problems(raw: dict) -> list[str]:
@@ -59,7 +70,11 @@ def test_an_import_path_loads_your_own_engine_class() -> None:
     ("bert", "unknown engine 'bert': use one of ['embed', 'fake', 'generate', 'transcribe']"),
     ("no_such_module_here:Engine", "cannot import the engine no_such_module_here:Engine"),
     (f"{__name__}:Missing", f"cannot import the engine {__name__}:Missing"),
-    (f"{__name__}:problems", "is not a subclass of deployments.engines.base.Engine"),
+    (f"{__name__}:problems", "is neither a deployments.engines.base.PassRunner nor an "
+     "AsyncScheduler: subclass one (docs/engines.md)"),
+    (f"{__name__}:NoCapabilityEngine", "is neither a deployments.engines.base.PassRunner"),
+    (f"{__name__}:SchedulingEmbedder", "schedules itself, so it serves kinds that generate "
+     "only, not ['embed']"),
     (f"{__name__}:NoKindsEngine", "serves request kinds []; each must be one of"),
     (f"{__name__}:UnknownKindEngine", "serves request kinds ['rerank']"),
 ])

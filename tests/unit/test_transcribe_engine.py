@@ -53,7 +53,7 @@ def request_of(audio: np.ndarray, language: str | None = "en") -> InferenceReque
 @pytest.mark.parametrize("name", ["5s", "17s", "45s", "62s"])
 def test_a_transcript_is_what_generate_and_batch_decode_give(engine, name) -> None:
     audio = AUDIO[name]
-    [output] = engine.run_transcribe([request_of(audio)])
+    [output] = engine.run_batch([request_of(audio)])
     assert output.text == whisper_reference(engine.path, audio, "en")
     assert output.text  # the tiny model writes text (tests/support.py: build_tiny_whisper)
     assert output.language == "en"
@@ -66,7 +66,7 @@ def test_a_transcript_is_what_generate_and_batch_decode_give(engine, name) -> No
 
 def test_a_detected_language_is_generate_s_own(engine) -> None:
     audio = AUDIO["17s"]
-    [output] = engine.run_transcribe([request_of(audio, language=None)])
+    [output] = engine.run_batch([request_of(audio, language=None)])
     assert output.language in WHISPER_LANGUAGES
     assert output.text == whisper_reference(engine.path, audio, None)
 
@@ -77,15 +77,15 @@ def test_a_prompt_conditions_the_transcript_as_generate_s_prompt_ids(engine, nam
     [ids] = engine.front.tokenize([prompt])
     request = InferenceRequest("transcribe", (tuple(ids),), Shape(1, 1, 0),
                                TranscriptionParams(audio, prompt=prompt, language="en"))
-    [output] = engine.run_transcribe([request])
+    [output] = engine.run_batch([request])
     assert output.text == whisper_reference(engine.path, audio, "en", prompt)
-    assert output.text != engine.run_transcribe([request_of(audio)])[0].text
+    assert output.text != engine.run_batch([request_of(audio)])[0].text
 
 
 def test_a_batch_gives_each_file_what_it_gets_alone(engine) -> None:
     requests = [request_of(AUDIO[name]) for name in ("45s", "5s", "62s", "17s")]
-    alone = [engine.run_transcribe([r])[0] for r in requests]
-    together = engine.run_transcribe(requests)
+    alone = [engine.run_batch([r])[0] for r in requests]
+    together = engine.run_batch(requests)
     assert together == alone
     assert len({o.duration_s for o in together}) == 4
 
@@ -220,7 +220,7 @@ def test_replies_have_openai_s_shapes(engine) -> None:
     )
     from serve_app.schemas import Admitted, InferenceResult
 
-    [output] = engine.run_transcribe([request_of(AUDIO["45s"])])
+    [output] = engine.run_batch([request_of(AUDIO["45s"])])
     result = InferenceResult(output, Admitted(0.0, 0), "r")
     plain = _render(TranscriptionForm(file_sha256="-"), result)
     assert TranscriptionResponse(**plain).text == output.text

@@ -83,7 +83,7 @@ def test_transcriptions_are_leased_their_estimate_and_share_one_pass(whisper_dir
     # One pass of 3 files padded to 2500 frames (one window each) fits their leases.
     assert shape_bytes(COST_MODEL, Shape(3, 2500, 0)) <= sum(estimates)
     assert passes == 1
-    alone = [engine.run_transcribe([r])[0] for r in requests]
+    alone = [engine.run_batch([r])[0] for r in requests]
     assert [r.output for r in results] == alone
 
 
@@ -93,7 +93,7 @@ def test_a_pass_that_would_cost_more_than_its_leases_is_not_formed(whisper_dir) 
     engine, requests, estimates, _, results, passes = asyncio.run(_serve(whisper_dir, files))
     assert shape_bytes(COST_MODEL, Shape(2, 4500, 0)) > sum(estimates)
     assert passes == 2
-    assert [r.output for r in results] == [engine.run_transcribe([r])[0] for r in requests]
+    assert [r.output for r in results] == [engine.run_batch([r])[0] for r in requests]
 
 
 def test_another_language_runs_in_its_own_pass(whisper_dir) -> None:

@@ -1,0 +1,105 @@
+"""Requests on an engine that schedules itself (:class:`deployments.engines.base.AsyncScheduler`).
+
+Such an engine (vLLM's ``AsyncLLM`` is the model) batches and pages its own KV cache; what the
+replica adds is the byte gate in front of it. A request is admitted against the budget as any
+other (:class:`deployments.replica.lifecycle.RequestLifecycle`), then handed to
+:meth:`AsyncScheduler.submit` on the replica's event loop. The device holds the lease from the
+submit until the engine's events end: finished, failed, timed out (504, the request aborted)
+or the client gone (aborted); :meth:`~serve_app.admission.ticket.Ticket.device_done` gives it
+back then, once. No inference thread and no batcher of ours take part.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from deployments.engines.base import AsyncScheduler, ScheduledEvent, collect_output
+from deployments.replica.device_health import DeviceHealth
+from deployments.replica.inference import InferenceThread
+from serve_app.admission.ticket import Ticket
+from serve_app.request import GenerationOutput
+from serve_app.stream_events import Finished
+
+
+class ScheduledRuns:
+    """Runs admitted requests on an :class:`AsyncScheduler` (module docstring).
+
+    Args:
+        engine: the engine.
+        thread: the replica's inference thread: only its accounting (admitted, finished,
+            client gone, timeouts) is used, so a scheduled request is counted and logged as
+            any other; nothing runs on it.
+        health: the device health (an OOM is 503 ``oom``, a device fault 503 ``draining``).
+        inference_timeout_s: the longest a request may run (``admission.inference_timeout_s``).
+    """
+
+    def __init__(self, engine: AsyncScheduler, thread: InferenceThread, health: DeviceHealth,
+                 inference_timeout_s: float) -> None:
+        self._engine, self._thread, self._health = engine, thread, health
+        self._timeout_s = inference_timeout_s
+
+    async def result(self, ticket: Ticket) -> GenerationOutput:
+        """``ticket``'s request run to its end, as one output.
+
+        Raises: as :meth:`events`.
+        """
+        return await collect_output(self.events(ticket), ticket.request)
+
+    async def events(self, ticket: Ticket) -> AsyncIterator[ScheduledEvent]:
+        """``ticket``'s request submitted, its events as the engine makes them. Closing this
+        iterator early (the client left) aborts the request; either way the lease goes back
+        once the engine's iterator is closed.
+
+        Raises:
+            InferenceTimeoutError: it ran past ``inference_timeout_s`` (504; aborted).
+            OverloadedError: ``oom`` or ``draining`` from the device (503).
+        """
+        self._thread.admitted(ticket, 1)
+        ticket.claim()
+        started, outcome = time.monotonic(), "ok"
+        finished = False
+        stream = self._engine.submit(ticket.request, ticket.lease)
+        try:
+            async with contextlib.aclosing(stream):
+                async for event in self._within_timeout(stream, started):
+                    finished = isinstance(event, Finished)
+                    yield event
+        except (GeneratorExit, asyncio.CancelledError):
+            outcome = "cancelled"
+            raise
+        except RuntimeError as exc:
+            outcome = type(exc).__name__
+            raise self._health.error_for(exc, ticket.lease.nbytes) from None
+        finally:
+            if not finished:
+                self._engine.abort(ticket.lease.lease_id)
+                outcome = "unfinished" if outcome == "ok" else outcome
+            self._done(ticket, outcome, time.monotonic() - started)
+
+    async def _within_timeout(self, stream: AsyncIterator[ScheduledEvent],
+                              started: float) -> AsyncIterator[ScheduledEvent]:
+        """``stream``'s events until ``inference_timeout_s`` after ``started``.
+
+        Raises:
+            InferenceTimeoutError: the next event did not come in time.
+        """
+        while True:
+            left_s = self._timeout_s - (time.monotonic() - started)
+            try:
+                event = await asyncio.wait_for(anext(stream), timeout=max(0.0, left_s))
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise self._thread.timeout_error() from None
+            yield event
+
+    def _done(self, ticket: Ticket, outcome: str, inference_s: float) -> None:
+        """The request left the engine: counted and logged, its lease given back."""
+        if outcome == "ok":
+            self._thread.completion_finished(ticket, inference_s)
+            return
+        self._thread.log_finished(ticket, outcome, inference_s)
+        ticket.device_done(ran=True)
