@@ -231,15 +231,21 @@ class AsyncScheduler(Engine):
 
 async def collect_output(events: AsyncIterator[ScheduledEvent],
                          request: InferenceRequest) -> GenerationOutput:
-    """The whole completion of ``request`` from an :class:`AsyncScheduler`'s ``events``.
+    """The whole completion of ``request`` from an :class:`AsyncScheduler`'s ``events``, read
+    to their end (so that the engine's iterator finishes, not suspended at its last event).
 
     Raises:
         RuntimeError: the events ended without :class:`~serve_app.stream_events.Finished`.
     """
     text: list[str] = []
+    finished: Finished | None = None
     async for event in events:
         if isinstance(event, Finished):
-            return GenerationOutput("".join(text), event.finish_reason,
-                                    event.prompt_tokens, event.completion_tokens)
-        text.append(event.text)
-    raise RuntimeError(f"the engine's events for a {request.kind} request ended unfinished")
+            finished = event
+        else:
+            text.append(event.text)
+    if finished is None:
+        raise RuntimeError(f"the engine's events for a {request.kind} request ended "
+                           "unfinished")
+    return GenerationOutput("".join(text), finished.finish_reason, finished.prompt_tokens,
+                            finished.completion_tokens)
