@@ -28,6 +28,7 @@ import numpy as np
 from deployments.engines.base import OpenedEngine
 from deployments.engines.fake_stepping import FakeDecodeSteps
 from deployments.engines.runners import EmbeddingRunner, GenerationRunner, batch_params
+from deployments.engines.spec import EngineSpec
 from deployments.engines.words import SPECIAL_TOKENS, VOCAB, WordFrontEnd, decode_words, digest
 from serve_app.config import AppArgs, FakeConfig, config_error
 from serve_app.memory.cost_model import AnalyticCostModel, FittedCostModel, TransformerShape
@@ -51,8 +52,69 @@ def exact_cost_model(bytes_per_token: int, bytes_per_request: int) -> FittedCost
                            (float(bytes_per_request), float(bytes_per_token)))
 
 
+class FakeSpec(EngineSpec):
+    """The fake engine's class-level half, read from the config's ``fake.*`` section: its
+    simulated card, front end and exact analytic costs."""
+
+    @classmethod
+    def check_args(cls, args: AppArgs) -> None:
+        """``memory.capacity_bytes`` / ``budget_bytes`` must fit the replica's share of the
+        simulated card.
+
+        Raises:
+            ConfigError: naming the knob.
+        """
+        share = args.deployment.num_gpus or 1.0
+        card_share = int(args.fake.device_capacity_bytes * share)
+        for knob in ("capacity_bytes", "budget_bytes"):
+            value = getattr(args.memory, knob)
+            if value is not None and value > card_share:
+                raise config_error(
+                    f"memory.{knob}", f"{value} does not fit this replica's share of the "
+                    f"simulated card: {share:g} x fake.device_capacity_bytes = {card_share}. "
+                    "Lower it or raise deployment.num_gpus")
+
+    @classmethod
+    def front_end(cls, args: AppArgs) -> WordFrontEnd:
+        return WordFrontEnd(args.fake.max_seq_tokens)
+
+    @classmethod
+    def describe(cls, args: AppArgs) -> str:
+        return "the fake engine on its simulated device"
+
+    @classmethod
+    def profile_identity(cls, args: AppArgs) -> str:
+        return "fake"
+
+    @classmethod
+    def device_kind(cls, args: AppArgs) -> str:
+        return "simulated"
+
+    @classmethod
+    def device_identity(cls, args: AppArgs) -> tuple[str, int]:
+        capacity = args.fake.device_capacity_bytes
+        return f"simulated {capacity} byte card", capacity
+
+    @classmethod
+    def planned_capacity(cls, args: AppArgs) -> tuple[int, str]:
+        share = args.deployment.num_gpus or 1.0
+        return (int(args.fake.device_capacity_bytes * share),
+                "fake.device_capacity_bytes x num_gpus")
+
+    @classmethod
+    def planned_context(cls, args: AppArgs) -> tuple[int, str]:
+        return args.fake.max_seq_tokens, "fake.max_seq_tokens"
+
+    @classmethod
+    def analytic_costs(cls, args: AppArgs) -> tuple[FittedCostModel, int]:
+        """The configured costs, which are exact."""
+        fake = args.fake
+        return exact_cost_model(fake.bytes_per_token, fake.bytes_per_request), \
+            fake.weights_bytes
+
+
 @dataclass
-class FakeEngine(FakeDecodeSteps, EmbeddingRunner, GenerationRunner):
+class FakeEngine(FakeSpec, FakeDecodeSteps, EmbeddingRunner, GenerationRunner):
     """Embeds and generates without a model, holding simulated device memory; serves both
     ``embed`` and ``generate`` (:mod:`deployments.engines.base`). Call from one thread.
     Its front end is :class:`~deployments.engines.words.WordFrontEnd`.
@@ -123,64 +185,6 @@ class FakeEngine(FakeDecodeSteps, EmbeddingRunner, GenerationRunner):
         self._poisoned = False  # set by an OOM under nan_after_oom
         self._running = {}  # continuous batching's sequences (FakeDecodeSteps)
         self._weights: Allocation = self.device.allocate(self.weights_bytes)
-
-    # --- the class: from the config's fake.* section ------------------------------------
-
-    @classmethod
-    def check_args(cls, args: AppArgs) -> None:
-        """``memory.capacity_bytes`` / ``budget_bytes`` must fit the replica's share of the
-        simulated card.
-
-        Raises:
-            ConfigError: naming the knob.
-        """
-        share = args.deployment.num_gpus or 1.0
-        card_share = int(args.fake.device_capacity_bytes * share)
-        for knob in ("capacity_bytes", "budget_bytes"):
-            value = getattr(args.memory, knob)
-            if value is not None and value > card_share:
-                raise config_error(
-                    f"memory.{knob}", f"{value} does not fit this replica's share of the "
-                    f"simulated card: {share:g} x fake.device_capacity_bytes = {card_share}. "
-                    "Lower it or raise deployment.num_gpus")
-
-    @classmethod
-    def front_end(cls, args: AppArgs) -> WordFrontEnd:
-        return WordFrontEnd(args.fake.max_seq_tokens)
-
-    @classmethod
-    def describe(cls, args: AppArgs) -> str:
-        return "the fake engine on its simulated device"
-
-    @classmethod
-    def profile_identity(cls, args: AppArgs) -> str:
-        return "fake"
-
-    @classmethod
-    def device_kind(cls, args: AppArgs) -> str:
-        return "simulated"
-
-    @classmethod
-    def device_identity(cls, args: AppArgs) -> tuple[str, int]:
-        capacity = args.fake.device_capacity_bytes
-        return f"simulated {capacity} byte card", capacity
-
-    @classmethod
-    def planned_capacity(cls, args: AppArgs) -> tuple[int, str]:
-        share = args.deployment.num_gpus or 1.0
-        return (int(args.fake.device_capacity_bytes * share),
-                "fake.device_capacity_bytes x num_gpus")
-
-    @classmethod
-    def planned_context(cls, args: AppArgs) -> tuple[int, str]:
-        return args.fake.max_seq_tokens, "fake.max_seq_tokens"
-
-    @classmethod
-    def analytic_costs(cls, args: AppArgs) -> tuple[FittedCostModel, int]:
-        """The configured costs, which are exact."""
-        fake = args.fake
-        return exact_cost_model(fake.bytes_per_token, fake.bytes_per_request), \
-            fake.weights_bytes
 
     @classmethod
     def open(cls, args: AppArgs) -> OpenedEngine:
