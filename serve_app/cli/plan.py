@@ -25,7 +25,6 @@ from serve_app.measurement import (
     measurement_key,
 )
 from serve_app.memory.budget import InsufficientMemoryError
-from serve_app.memory.cost_model import TOKEN_AXES
 from serve_app.placement import (
     FEWEST,
     INITIAL,
@@ -157,7 +156,7 @@ def plan_lines(title: str, args: AppArgs, engine: EngineSpec,
     replicas = (f"{dep.num_replicas} initially, autoscaled {dep.min_replicas or 1} .. "
                 f"{dep.max_replicas} on the admission queue" if dep.autoscaling
                 else str(dep.num_replicas))
-    p95 = " or ".join(shape_text(s, getattr(engine, "shape_axes", TOKEN_AXES))
+    p95 = " or ".join(shape_text(s, engine.shape_axes)
                      for s in p95_request_shapes(args, engine.kinds,
                                                  model_context(args, engine)))
     lines = [

@@ -32,7 +32,6 @@ from serve_app.cli.serve_config import IMPORT_PATH, ServeApp, read_serve_config
 from serve_app.config import AppArgs, ConfigError
 from serve_app.kinds import context_problems
 from serve_app.memory.budget import InsufficientMemoryError
-from serve_app.memory.cost_model import TOKEN_AXES
 from serve_app.planning import (
     DeploymentPlan,
     model_context,
@@ -136,7 +135,7 @@ def context_warnings(where: str, model: CheckedModel) -> list[str]:
     """A warning for each limit the model's context cannot hold
     (:func:`serve_app.planning.context_problems`), saying what the plan prices instead."""
     args, engine = model.args, model.engine
-    p95 = " or ".join(shape_text(s, getattr(engine, "shape_axes", TOKEN_AXES))
+    p95 = " or ".join(shape_text(s, engine.shape_axes)
                       for s in p95_request_shapes(args, engine.kinds,
                                                   model_context(args, engine)))
     return [f"{where}: {problem}, so requests are planned within it (P95: {p95})"

@@ -1,6 +1,8 @@
-"""The shape of the code, held: lint clean, small files and functions, no kind or policy
-switched on by name outside its registry, metric outcomes and reasons recorded from their
-enums only, no import cycles.
+"""The shape of the code, held: lint clean, small files and functions, narrow classes (at most
+15 public methods), no kind or policy switched on by name outside its registry, nothing
+dispatched by a name built from a string nor an engine probed for a capability, metric
+outcomes and reasons recorded from their enums only, no import cycles, the replica side never
+importing the HTTP side.
 
 Product code is ``serve_app/`` and ``deployments/``; tests, load tests and benchmarks are held
 to the lint and the import-cycle rule only.
@@ -88,6 +90,85 @@ def test_the_name_check_would_see_a_switch() -> None:
     tree = ast.parse("if args.model.task == 'fake': pass\nif policy.name != 'budget': pass\n"
                      "if kind in ('embed', 'generate'): pass\nif args.model.engine == wanted: pass")
     assert len(list(_named_comparisons(tree))) == 4
+
+
+ATTRIBUTE_BY_NAME = {"getattr", "hasattr", "setattr", "delattr"}
+
+
+def _built_name(value: ast.expr) -> bool:
+    """Whether ``value`` is a name made at run time from pieces: an f-string, ``+`` or ``%``
+    of strings, ``.format(...)``/``.join(...)``."""
+    if isinstance(value, ast.JoinedStr):
+        return True
+    if isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add | ast.Mod):
+        return True
+    return isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) \
+        and value.func.attr in {"format", "join"}
+
+
+def _dispatch_by_name(tree: ast.AST) -> Iterator[str]:
+    """Every ``getattr``-family call on a name built from a string (``getattr(self,
+    f"run_{kind}")``), and every one that probes an engine for a capability
+    (``getattr(engine, "decode_steps", False)``): capabilities are types."""
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in ATTRIBUTE_BY_NAME and len(node.args) >= 2):
+            continue
+        if _built_name(node.args[1]) or "engine" in ast.unparse(node.args[0]).lower():
+            yield f"{node.lineno}: {ast.unparse(node)}"
+
+
+def test_nothing_is_dispatched_by_a_built_name_or_probed_on_an_engine() -> None:
+    found = [f"{relative(path)}:{where}" for path in python_files(*PRODUCT)
+             for where in _dispatch_by_name(ast.parse(path.read_text()))]
+    assert not found
+
+
+def test_the_dispatch_check_would_see_a_built_name_and_a_probe() -> None:
+    tree = ast.parse('getattr(self, f"run_{kind}")(requests)\n'
+                     'getattr(engine, "decode_steps", False)\n'
+                     'hasattr(self._engine, "abort")\n'
+                     'getattr(module, "stream_" + kind)\n'
+                     'setattr(obj, "{}_total".format(name), 1)\n'
+                     # none of these
+                     'getattr(importlib.import_module(name), attribute)\n'
+                     'getattr(self, "_publisher", None)\n')
+    assert sorted(line.split(":")[0] for line in _dispatch_by_name(tree)) == list("12345")
+
+
+MAX_PUBLIC_METHODS = 15
+
+
+def _exempt(node: ast.ClassDef) -> bool:
+    """Errors and config values: wide by nature (fields and accessors, not behaviour)."""
+    bases = {ast.unparse(base).rsplit(".", 1)[-1] for base in node.bases}
+    return any(b.endswith(("Error", "Exception")) or b == "BaseModel" for b in bases)
+
+
+def _wide_classes(tree: ast.AST) -> Iterator[str]:
+    """Classes defining more than ``MAX_PUBLIC_METHODS`` public methods in their body."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and not _exempt(node):
+            public = [n.name for n in node.body
+                      if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+                      and not n.name.startswith("_")]
+            if len(public) > MAX_PUBLIC_METHODS:
+                yield f"{node.lineno} {node.name}: {len(public)} public methods"
+
+
+def test_no_class_has_more_than_fifteen_public_methods() -> None:
+    found = [f"{relative(path)}:{where}" for path in python_files(*PRODUCT)
+             for where in _wide_classes(ast.parse(path.read_text()))]
+    assert not found
+
+
+def test_the_width_check_would_see_a_wide_class() -> None:
+    methods = "".join(f"    def m{i}(self): pass\n" for i in range(16))
+    tree = ast.parse(f"class Wide:\n{methods}\n"
+                     f"class Narrow:\n{methods.replace('def m0', 'def _m0')}\n"
+                     f"class Config(BaseModel):\n{methods}\n"
+                     f"class BadThing(ServeAppError):\n{methods}")
+    assert list(_wide_classes(tree)) == ["1 Wide: 16 public methods"]
 
 
 LABELS = ("outcome", "reason")
