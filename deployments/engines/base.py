@@ -14,7 +14,8 @@ made by :meth:`Engine.open` in a model replica, holds the model and is one of:
 - an :class:`AsyncScheduler`: it schedules its own batches and owns its KV cache (vLLM's
   ``AsyncLLM`` is one); the replica admits each request against the byte budget, then hands
   it over with :meth:`AsyncScheduler.submit` on the replica's event loop and holds the lease
-  until the request's events end (:mod:`deployments.replica.scheduled`).
+  until the request's events end, after an ``await abort(lease_id)`` when it stopped
+  reading early (:mod:`deployments.replica.scheduled`).
 
 The replica picks its path from these types (``isinstance``), never by probing attributes or
 by method names built from a kind. Either way the engine offers :meth:`Engine.profile_run`
@@ -202,10 +203,11 @@ class AsyncScheduler(Engine):
         """
 
     @abstractmethod
-    def abort(self, lease_id: int) -> None:
+    async def abort(self, lease_id: int) -> None:
         """Stop the request submitted with the lease ``lease_id`` and free what it holds
-        (the client left, or it ran past ``admission.inference_timeout_s``). Idempotent: a
-        request that already finished is no error."""
+        (the client left, or it ran past ``admission.inference_timeout_s``); the lease goes
+        back once this returns. Idempotent: a request that already finished is no error.
+        Async, as vLLM's ``AsyncLLM.abort`` is."""
 
     def profile_run(self, batch: int, prompt_tokens: int, new_tokens: int = 0) -> None:
         """``batch`` requests of exactly this shape submitted together, on an event loop of

@@ -5,8 +5,9 @@ replica adds is the byte gate in front of it. A request is admitted against the 
 other (:class:`deployments.replica.lifecycle.RequestLifecycle`), then handed to
 :meth:`AsyncScheduler.submit` on the replica's event loop. The device holds the lease from the
 submit until the engine's events end: finished, failed, timed out (504, the request aborted)
-or the client gone (aborted); :meth:`~serve_app.admission.ticket.Ticket.device_done` gives it
-back then, once. No inference thread and no batcher of ours take part.
+or the client gone (aborted: the lease goes back after the engine's ``abort`` returned);
+:meth:`~serve_app.admission.ticket.Ticket.device_done` gives it back then, once. No inference
+thread and no batcher of ours take part.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class ScheduledRuns:
             raise self._health.error_for(exc, ticket.lease.nbytes) from None
         finally:
             if not finished:
-                self._engine.abort(ticket.lease.lease_id)
+                await self._engine.abort(ticket.lease.lease_id)
                 outcome = "unfinished" if outcome == "ok" else outcome
             self._done(ticket, outcome, time.monotonic() - started)
 

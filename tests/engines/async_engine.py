@@ -62,6 +62,6 @@ class TickingScheduler(AsyncScheduler):
                 step.put_nowait(None)
             await asyncio.sleep(self.tick_s)
 
-    def abort(self, lease_id: int) -> None:
+    async def abort(self, lease_id: int) -> None:
         self.aborted.append(lease_id)
         self.steps.pop(lease_id, None)
