@@ -149,7 +149,7 @@ class JobsFront:
         if job.position is None:
             return job
         eta_s = await self._replicas.drain_s(
-            await self._store.queued_bytes_through(job.position))
+            await self._store.figures.queued_bytes_through(job.position))
         return job if eta_s is None else dataclasses.replace(job, eta_s=eta_s)
 
     async def cancel(self, job_id: str) -> JobView | None:

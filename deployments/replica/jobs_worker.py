@@ -118,13 +118,13 @@ class JobWorker:
         await self._store.heartbeat(self._worker_id, self._config.heartbeat_ttl_s)
         if recovered := await self._store.recover_orphans():
             logger.info("job worker: %d jobs of gone replicas queued again", len(recovered))
-        queued = await self._store.queued_count()
+        queued = await self._store.figures.queued_count()
         self._replica.record_jobs_queued(queued)
         head = await self._store.head()
         metrics = self._replica.metrics
         metrics.set("job_queue_depth", queued)
         metrics.set("job_queue_oldest_age_seconds",
-                    0.0 if head is None else max(0.0, self._store.now() - head.created_at))
+                    0.0 if head is None else max(0.0, self._store.figures.now() - head.created_at))
 
     async def _start_next(self) -> bool:
         """Start the queue's head if it fits now; whether another try may follow at once."""

@@ -67,6 +67,62 @@ def body_hash(route: str, body_json: str) -> str:
     return hashlib.sha256(f"{route}\0{body_json}".encode()).hexdigest()
 
 
+class JobQueueFigures:
+    """Read-only figures of one namespace's job queue, from the keys a :class:`JobStore`
+    writes (``queued``, ``job:{id}``, ``completions``, ``rate_since``); reached as
+    :attr:`JobStore.figures`.
+
+    Args:
+        client: a ``redis.asyncio.Redis`` returning bytes (``decode_responses=False``).
+        base: the namespace's key prefix, ``f"{prefix}:{namespace}:"``.
+        clock: unix seconds (the store's clock).
+
+    Raises:
+        redis.exceptions.RedisError: from any method, when Redis cannot be reached.
+    """
+
+    def __init__(self, client: aioredis.Redis, base: str, clock: Callable[[], float]) -> None:
+        self._client, self._base, self._clock = client, base, clock
+        self._queued = self._key("queued")
+
+    def _key(self, *parts: str) -> str:
+        return self._base + ":".join(parts)
+
+    def now(self) -> float:
+        """Unix seconds by the store's clock (what its jobs' times are in)."""
+        return float(self._clock())
+
+    async def queued_bytes_through(self, position: int) -> int:
+        """The prices of the queue's first ``position + 1`` jobs, summed (bytes): what must
+        drain before the job at ``position`` has run."""
+        ids = await self._client.lrange(self._queued, 0, max(0, position))
+        if not ids:
+            return 0
+        async with self._client.pipeline(transaction=False) as pipe:
+            for job_id in ids:
+                pipe.hget(self._key("job", job_id.decode()), "price_bytes")
+            prices = await pipe.execute()
+        return sum(int(price) for price in prices if price is not None)
+
+    async def queued_count(self) -> int:
+        """Jobs waiting in the queue."""
+        return int(await self._client.llen(self._queued))
+
+    async def completions_per_s(self, window_s: float = 60.0) -> float | None:
+        """Jobs finished per second, cluster-wide: completions in the last ``window_s`` seconds
+        over ``min(window_s, time since the first claim)`` (so a young store is not read as
+        slow). ``None`` when none finished in the window. ``window_s`` <= 3600."""
+        now = float(self._clock())
+        async with self._client.pipeline(transaction=False) as pipe:
+            pipe.zcount(self._key("completions"), f"({now - window_s!r}", "+inf")
+            pipe.get(self._key("rate_since"))
+            count, since = await pipe.execute()
+        if not count:
+            return None
+        span_s = window_s if since is None else min(window_s, now - float(since))
+        return count / max(span_s, 1e-3)
+
+
 class JobStore:
     """Jobs of one namespace in one Redis.
 
@@ -79,6 +135,10 @@ class JobStore:
         heartbeat_ttl_s: the heartbeat a worker gets on its first claim when it has none, and
             the default of :meth:`heartbeat`.
         clock: unix seconds (injected for tests).
+
+    Attributes:
+        figures: the queue's figures (:class:`JobQueueFigures`): its length, the prices
+            queued ahead of a job, the completion rate, the clock.
 
     Raises:
         ValueError: the client decodes responses, or a bound is out of range.
@@ -98,6 +158,7 @@ class JobStore:
         self._ttl_ms = max(1, round(result_ttl_s * 1000))
         self._heartbeat_ttl_s, self._max_queued = heartbeat_ttl_s, max_queued
         self._queued = self.key("queued")
+        self.figures = JobQueueFigures(client, self.base, clock)
         self._scripts = {name: client.register_script(getattr(lua, name))
                          for name in ("SUBMIT", "GET", "HEAD", "CLAIM", "CANCEL", "FINISH",
                                       "REQUEUE", "RECOVER", "SET_REQUEST")}
@@ -140,7 +201,8 @@ class JobStore:
                 "this Idempotency-Key was used with a different request body")
         if outcome == b"full":
             queued = int(rest[0])
-            wait_s = retry_after_s(queued + 1, await self.completions_per_s(), fallback_s=1.0)
+            rate = await self.figures.completions_per_s()
+            wait_s = retry_after_s(queued + 1, rate, fallback_s=1.0)
             raise JobQueueFullError(f"the job queue is full ({queued} jobs waiting)",
                                     retry_after_s=wait_s)
         return await self._view(rest[0]), outcome == b"created"
@@ -148,7 +210,7 @@ class JobStore:
     async def _view(self, reply: list[Any]) -> JobView:
         """Decode ``reply``; a queued job gets ``eta_s = (position + 1) / completions_per_s``."""
         view = view_from_reply(reply)
-        if view.position is None or (rate := await self.completions_per_s()) is None:
+        if view.position is None or (rate := await self.figures.completions_per_s()) is None:
             return view
         return dataclasses.replace(view, eta_s=(view.position + 1) / rate)
 
@@ -261,37 +323,3 @@ class JobStore:
         running and has none (so a job is never given two, nor a finished one one).
         Returns whether it was stored."""
         return bool(await self._run("SET_REQUEST", [self.key("job", job_id)], [request]))
-
-    def now(self) -> float:
-        """Unix seconds by the store's clock (what its jobs' times are in)."""
-        return float(self._clock())
-
-    async def queued_bytes_through(self, position: int) -> int:
-        """The prices of the queue's first ``position + 1`` jobs, summed (bytes): what must
-        drain before the job at ``position`` has run."""
-        ids = await self._client.lrange(self._queued, 0, max(0, position))
-        if not ids:
-            return 0
-        async with self._client.pipeline(transaction=False) as pipe:
-            for job_id in ids:
-                pipe.hget(self.key("job", job_id.decode()), "price_bytes")
-            prices = await pipe.execute()
-        return sum(int(price) for price in prices if price is not None)
-
-    async def queued_count(self) -> int:
-        """Jobs waiting in the queue."""
-        return int(await self._client.llen(self._queued))
-
-    async def completions_per_s(self, window_s: float = 60.0) -> float | None:
-        """Jobs finished per second, cluster-wide: completions in the last ``window_s`` seconds
-        over ``min(window_s, time since the first claim)`` (so a young store is not read as
-        slow). ``None`` when none finished in the window. ``window_s`` <= 3600."""
-        now = float(self._clock())
-        async with self._client.pipeline(transaction=False) as pipe:
-            pipe.zcount(self.key("completions"), f"({now - window_s!r}", "+inf")
-            pipe.get(self.key("rate_since"))
-            count, since = await pipe.execute()
-        if not count:
-            return None
-        span_s = window_s if since is None else min(window_s, now - float(since))
-        return count / max(span_s, 1e-3)

@@ -255,9 +255,21 @@ async def test_a_job_larger_than_the_whole_budget_fails_with_request_too_large(s
     assert reserved == 0
 
 
+class NothingQueued:
+    """The figures of :class:`LosesTheCancellation`: an empty queue at time 0."""
+
+    async def queued_count(self) -> int:
+        return 0
+
+    def now(self) -> float:
+        return 0.0
+
+
 class LosesTheCancellation:
     """A job store whose heartbeat, cancelled, returns as if it had finished (as a client
     call may when the cancellation comes as it completes); nothing is queued."""
+
+    figures = NothingQueued()
 
     async def heartbeat(self, *args: Any) -> None:
         try:
@@ -268,14 +280,8 @@ class LosesTheCancellation:
     async def recover_orphans(self) -> list[str]:
         return []
 
-    async def queued_count(self) -> int:
-        return 0
-
     async def head(self) -> None:
         return None
-
-    def now(self) -> float:
-        return 0.0
 
 
 async def test_a_worker_stops_when_cancelled_even_if_a_call_lost_the_cancellation() -> None:

@@ -74,7 +74,7 @@ async def test_jobs_queue_first_in_first_out_with_positions(store, client, clock
     assert (claimed.status, claimed.attempts, claimed.worker) == (JobStatus.RUNNING, 1, "w1")
     assert claimed.started_at == clock() and claimed.position is None
     assert [(await store.get(j.id)).position for j in jobs] == [None, 0, 1, 2]
-    assert await store.queued_count() == 3
+    assert await store.figures.queued_count() == 3
     assert await client.lrange(store.key("running", "w1"), 0, -1) == [jobs[0].id.encode()]
     assert await store.get("job-unknown") is None
 
@@ -105,7 +105,7 @@ async def test_an_idempotency_key_makes_one_job(store) -> None:
     again, created_again = await store.submit(ROUTE, body(1), b"r", 10, "key-1")
     assert (created, created_again) == (True, False)
     assert again.id == first.id and again.idempotency_key == "key-1"
-    assert await store.queued_count() == 1
+    assert await store.figures.queued_count() == 1
     with pytest.raises(IdempotencyKeyReusedError) as refused:
         await store.submit(ROUTE, body(2), b"r", 10, "key-1")
     assert (refused.value.status_code, refused.value.code) == (422, "idempotency_key_reused")
@@ -115,7 +115,7 @@ async def test_an_idempotency_key_makes_one_job(store) -> None:
     await store.finish(first.id, "w1", '{"ok": true}')
     done, created = await store.submit(ROUTE, body(1), b"r", 10, "key-1")
     assert (done.id, done.status, created) == (first.id, JobStatus.SUCCEEDED, False)
-    assert await store.queued_count() == 0
+    assert await store.figures.queued_count() == 0
 
 
 async def test_a_full_queue_refuses_with_retry_after_from_the_completion_rate(
@@ -150,7 +150,7 @@ async def test_concurrent_submits_respect_the_bound_and_the_key(make_store) -> N
     views = await asyncio.gather(*(keyed.submit(ROUTE, body(1), b"r", 1, "k") for _ in range(20)))
     assert len({view.id for view, _ in views}) == 1
     assert sum(created for _, created in views) == 1
-    assert await keyed.queued_count() == 1
+    assert await keyed.figures.queued_count() == 1
 
 
 async def test_twenty_concurrent_claims_of_the_head_have_one_winner(make_store, client) -> None:
@@ -162,7 +162,7 @@ async def test_twenty_concurrent_claims_of_the_head_have_one_winner(make_store, 
     assert len(winners) == 1
     index, view = winners[0]
     assert (view.attempts, view.worker) == (1, f"w{index}")
-    assert await stores[0].queued_count() == 0
+    assert await stores[0].figures.queued_count() == 0
     running = [key async for key in client.scan_iter(match=stores[0].key("running", "*"))]
     assert running == [stores[0].key("running", f"w{index}").encode()]
 
@@ -250,7 +250,7 @@ async def test_a_presumed_dead_worker_that_finishes_still_records_once(store, cl
     await client.delete(store.key("worker", "w1"))
     assert await store.recover_orphans() == [job.id]
     assert await store.finish(job.id, "w1", '{"late": true}') is JobStatus.SUCCEEDED
-    assert await store.queued_count() == 0  # it runs no more
+    assert await store.figures.queued_count() == 0  # it runs no more
     assert (await store.get(job.id)).to_body()["result"] == {"late": True}
 
 
@@ -265,7 +265,7 @@ async def test_recovery_stays_in_its_namespace(make_store, client) -> None:
     assert keys == {theirs.key("job", job.id), theirs.key("running", "w1"),
                     theirs.key("rate_since")}
     assert not [k async for k in client.scan_iter(match=f"{ours.base}*")]
-    assert await ours.queued_count() == 0 and await theirs.queued_count() == 0
+    assert await ours.figures.queued_count() == 0 and await theirs.figures.queued_count() == 0
 
 
 async def test_a_final_job_and_its_key_expire_after_the_result_ttl(make_store, client) -> None:
@@ -280,18 +280,18 @@ async def test_a_final_job_and_its_key_expire_after_the_result_ttl(make_store, c
 
 
 async def test_the_completion_rate_and_eta_follow_the_clock(store, clock) -> None:
-    assert await store.completions_per_s() is None
+    assert await store.figures.completions_per_s() is None
     jobs = [await submit(store, n) for n in range(5)]
     for job in jobs[:3]:
         await store.claim(job.id, "w1")  # the first claim at t = 1000 starts the measurement
     for job in jobs[:3]:
         clock.advance(2)
         await store.finish(job.id, "w1", "{}")
-    assert await store.completions_per_s() == pytest.approx(3 / 6)  # 3 in 6 s since start
+    assert await store.figures.completions_per_s() == pytest.approx(3 / 6)  # 3 in 6 s since start
     assert (await store.get(jobs[4].id)).eta_s == pytest.approx(2 / 0.5)  # position 1
     clock.advance(100)  # t = 1106: the last completion (1006) is out of a 60 s window
-    assert await store.completions_per_s() is None
-    assert await store.completions_per_s(window_s=120) == pytest.approx(3 / 106)
+    assert await store.figures.completions_per_s() is None
+    assert await store.figures.completions_per_s(window_s=120) == pytest.approx(3 / 106)
     assert (await store.get(jobs[3].id)).eta_s is None
 
 
@@ -306,10 +306,10 @@ async def test_a_client_that_decodes_responses_is_refused(redis_url) -> None:
 
 async def test_the_prices_up_to_a_queued_job_are_what_drains_before_it(store) -> None:
     jobs = [await submit(store, n, price=100 * (n + 1)) for n in range(3)]  # 100, 200, 300
-    assert [await store.queued_bytes_through(j.position) for j in jobs] == [100, 300, 600]
+    assert [await store.figures.queued_bytes_through(j.position) for j in jobs] == [100, 300, 600]
     await store.claim(jobs[0].id, "w1")  # it runs now: no longer queued
     second = await store.get(jobs[1].id)
-    assert (second.position, await store.queued_bytes_through(second.position)) == (0, 200)
+    assert (second.position, await store.figures.queued_bytes_through(second.position)) == (0, 200)
 
 
 async def test_jobs_submitted_at_the_same_moment_each_get_their_own_position(store) -> None:
