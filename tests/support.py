@@ -123,22 +123,31 @@ def measure_in_fresh_process(args: dict[str, Any]) -> tuple[Any, int, int]:
     in the test runner would depend on what ran there before (a model loaded into pages an
     earlier test freed adds little RSS: a saved profile then says the model holds 14 MB, and
     a replica holding 146 MB refuses to reuse it) and on its other threads (a Ray driver's)."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
     from serve_app.memory.profiler import MemoryProfile
 
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        raw, max_request_bytes, budget_bytes = pool.submit(_measure, args).result(timeout=600)
+    raw, max_request_bytes, budget_bytes = in_fresh_process(_measure, args)
     return MemoryProfile.from_dict(raw), max_request_bytes, budget_bytes
 
 
+def in_fresh_process(fn: Callable[..., Any], *args: Any, timeout_s: float = 600) -> Any:
+    """``fn(*args)`` in a spawned process (a module-level ``fn``; picklable arguments)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result(timeout=timeout_s)
+
+
 def build_tiny_causal_lm(path: Path, num_layers: int = 2, max_positions: int = 512,
-                         hidden_size: int = 64) -> Path:
+                         hidden_size: int = 64, num_heads: int = 4,
+                         init_std: float = 0.02) -> Path:
     """Save a small random-weight Llama (grouped-query attention) and a word-piece BPE tokenizer
     trained on a few sentences to ``path``: a real causal LM directory, loaded by the same code
-    as any Hugging Face model, built offline in about a second. (Not byte-level BPE: a random
-    model would emit invalid UTF-8, which makes text assertions meaningless.)"""
+    as any Hugging Face model, built offline in about a second. ``hidden_size / num_heads``
+    is the head size (vLLM's CPU attention needs 32 or more); an ``init_std`` of 0.2 (Llama
+    uses 0.02) makes greedy completions vary instead of repeating a token. (Not byte-level
+    BPE: a random model would emit invalid UTF-8, which makes text assertions
+    meaningless.)"""
     import torch
     from tokenizers import CharBPETokenizer
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -152,10 +161,11 @@ def build_tiny_causal_lm(path: Path, num_layers: int = 2, max_positions: int = 5
     tokenizer.save_pretrained(str(path))
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size,
                          intermediate_size=2 * hidden_size,
-                         num_hidden_layers=num_layers, num_attention_heads=4,
+                         num_hidden_layers=num_layers, num_attention_heads=num_heads,
                          num_key_value_heads=2, max_position_embeddings=max_positions,
                          eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+                         initializer_range=init_std)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(str(path))
     return path
@@ -352,3 +362,41 @@ def read_job(redis_url: str) -> dict[bytes, bytes]:
     finally:
         client.close()
 
+
+
+def require_vllm() -> None:
+    """Skip the calling test module when vLLM cannot be imported here (a plain install), or
+    fail it when ``VRAMGATE_REQUIRE_VLLM`` is set (CI installs vLLM's CPU build: a missing
+    vLLM there is a broken install, not a reason to skip)."""
+    import pytest
+
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        if os.environ.get("VRAMGATE_REQUIRE_VLLM"):
+            pytest.fail(f"VRAMGATE_REQUIRE_VLLM is set but vllm cannot be imported: {exc}",
+                        pytrace=False)
+        pytest.skip(f"vLLM is not installed ({exc}); bash scripts/install_dev.sh installs "
+                    "its CPU build", allow_module_level=True)
+
+
+def vllm_offline_reference(path: Path, prompts: list[list[int]],
+                           params: list[dict[str, Any]]) -> list[tuple[str, str, int]]:
+    """vLLM's offline ``LLM.generate`` of token-id ``prompts``, one ``SamplingParams(**p)``
+    each, in a process of its own (:mod:`tests.vllm_reference`): ``(text, finish_reason,
+    completion tokens)`` per prompt.
+
+    Raises:
+        subprocess.CalledProcessError: the reference failed (its stderr in the error).
+    """
+    import json
+    import sys
+
+    from tests.vllm_reference import MARK
+
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.vllm_reference"], check=True, capture_output=True,
+        text=True, timeout=600, cwd=Path(__file__).resolve().parent.parent,
+        input=json.dumps({"path": str(path), "prompts": prompts, "params": params}))
+    [line] = [line for line in done.stdout.splitlines() if line.startswith(MARK)]
+    return [tuple(row) for row in json.loads(line.removeprefix(MARK))]

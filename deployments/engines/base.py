@@ -42,6 +42,7 @@ from serve_app.admission.budget import Lease, MemoryBudget
 from serve_app.config import AppArgs
 from serve_app.kinds import KINDS
 from serve_app.memory.cost_model import DECODER_FEATURES, ENCODER_FEATURES, CostModel, Shape
+from serve_app.memory.kv_pool import KVPool
 from serve_app.memory.probes import DeviceProbe
 from serve_app.memory.profiler import profile_ladder
 from serve_app.request import GenerationOutput, GenerationParams, InferenceRequest
@@ -97,6 +98,24 @@ class Engine(EngineSpec, ABC):
         """What ``/v1/status`` shows per replica about how the loaded engine runs (merged
         into its start-up figures; may be empty), e.g. the HF engines' ``cpu_threads``."""
         return {}
+
+    def kv_pool(self) -> KVPool | None:
+        """The KV cache the engine allocated and pages itself, when it does (vLLM): the
+        replica's budget is then that pool and requests are priced in its blocks
+        (:mod:`serve_app.memory.kv_pool`), with no profile. ``None`` (the default): the
+        replica profiles the engine and budgets its device."""
+        return None
+
+    def dead_reason(self) -> str | None:
+        """Why the engine can serve nothing more (its scheduler died), or ``None`` (the
+        default). The replica then answers 503 ``draining`` and fails its health check, so
+        Ray Serve replaces it."""
+        return None
+
+    def kv_cache_status(self) -> dict[str, Any] | None:
+        """The engine's own figures for ``/v1/status``'s ``kv_cache`` (sequences running and
+        waiting, blocks in use, preemptions, the block size), or ``None`` (the default)."""
+        return None
 
     def analytic_model(self) -> CostModel | None:
         """The loaded model's analytic cost model, shown beside every profiled point

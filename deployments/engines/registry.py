@@ -21,6 +21,7 @@ BUILTIN_ENGINES = {
     "generate": "deployments.engines.generation:GenerationEngine",
     "fake": "deployments.engines.fake:FakeEngine",
     "transcribe": "deployments.engines.transcribe:TranscribeEngine",
+    "vllm": "deployments.engines.vllm_engine:VLLMEngine",
 }
 """Registered engine names and the classes they stand for."""
 

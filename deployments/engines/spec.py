@@ -87,6 +87,10 @@ class EngineSpec:
 
     kinds: ClassVar[tuple[str, ...]] = ()
     shape_axes: ClassVar[tuple[str, str, str]] = TOKEN_AXES
+    profiled: ClassVar[bool] = True
+    """Whether a replica profiles the engine's memory at start-up (``vramgate profile``
+    measures it the same way); ``False``: the engine sizes and pages its own KV cache, and the
+    replica's budget is that pool (``Engine.kv_pool``)."""
 
     @classmethod
     def check_args(cls, args: AppArgs) -> None:

@@ -176,6 +176,7 @@ class DecodeLoop:
             "blocks_total": self._budget_bytes() // block_bytes if block_bytes else 0,
             "blocks_leased": sum(kv_blocks(s.final_tokens) for s in live),
             "blocks_in_use": kv_blocks(self._kv_tokens_held),
+            "preempted_sequences": 0,  # a sequence is leased its whole KV cache up front
         }
 
     def close(self) -> None:

@@ -46,8 +46,10 @@ KV_CACHE_GAUGES = {"running_sequences": "running_sequences",
                    "waiting_sequences": "waiting_sequences",
                    "kv_cache_budget_blocks": "blocks_total",
                    "kv_cache_leased_blocks": "blocks_leased",
-                   "kv_cache_used_blocks": "blocks_in_use"}
-"""Gauges refreshed from ``/v1/status``'s ``kv_cache`` (continuous batching)."""
+                   "kv_cache_used_blocks": "blocks_in_use",
+                   "kv_cache_preempted_sequences": "preempted_sequences"}
+"""Gauges refreshed from ``/v1/status``'s ``kv_cache`` (continuous batching, or an engine
+that pages its own KV cache)."""
 
 
 @serve.deployment
@@ -139,10 +141,11 @@ class ModelServer:
         """Ray Serve's health check (every ``deployment.health_check_period_s``).
 
         Raises:
-            RuntimeError: after a device fault, or while an inference has run longer than
-                ``admission.stuck_after_timeouts`` x ``inference_timeout_s``.
+            RuntimeError: after a device fault, while an inference has run longer than
+                ``admission.stuck_after_timeouts`` x ``inference_timeout_s``, or once the
+                engine's own scheduler died (:meth:`Replica.check_health`).
         """
-        self._replica.thread.check_health()
+        self._replica.check_health()
 
     async def record_routing_stats(self) -> dict[str, float]:
         """Ray Serve polls this every ``deployment.routing_stats_period_s`` for the request
@@ -180,3 +183,4 @@ class ModelServer:
             self._jobs.close()
         if getattr(self, "_replica", None) is not None:
             self._replica.close()
+            self._replica.engine.close()  # vLLM's engine core is a process of its own

@@ -182,10 +182,30 @@ class Replica:
             measured_budget_bytes=policy.measured_budget_bytes,
             budget_shrink_count=policy.shrink_count, budget_regrow_count=policy.regrow_count,
             updated_at=time.time(),
-            kv_cache=self.decode.figures() if self.decode is not None else None,
+            kv_cache=self._kv_cache_figures(),
             jobs_queued=self.jobs_queued,
             refused_by_prediction=queue.refused_by_prediction(
                 args.deployment.autoscaling_look_back_s))
+
+    def _kv_cache_figures(self) -> dict[str, int] | None:
+        """``/v1/status``'s ``kv_cache``: the decode loop's figures, or an engine's own (its
+        pool's blocks leased are the gate's leases, in blocks), or ``None``."""
+        if self.decode is not None:
+            return self.decode.figures()
+        if (figures := self.engine.kv_cache_status()) is None:
+            return None
+        block_bytes = figures["block_bytes"]
+        leased = -(-self.gate.budget.reserved_bytes // block_bytes) if block_bytes else 0
+        return {**figures, "blocks_leased": leased}
+
+    def check_health(self) -> None:
+        """Ray Serve's health check. Raises RuntimeError after a device fault, while an
+        inference is stuck (:meth:`InferenceThread.check_health`), or once the engine says it
+        is dead (:meth:`AsyncScheduler.dead_reason`: recorded as a device fault, so the
+        replica refuses with 503 ``draining`` until Ray Serve replaces it)."""
+        if (reason := self.engine.dead_reason()) is not None:
+            self.health.mark_device_fault(reason)
+        self.thread.check_health()
 
     def close(self) -> None:
         """Stop batching and the thread (replica shutdown)."""

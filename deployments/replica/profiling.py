@@ -19,6 +19,7 @@ from serve_app.config import AppArgs
 from serve_app.kinds import largest_shape
 from serve_app.memory.budget import InsufficientMemoryError, derive_budget_bytes
 from serve_app.memory.cost_model import CostModel, Shape
+from serve_app.memory.kv_pool import KVPool
 from serve_app.memory.probes import DeviceProbe
 from serve_app.memory.profiler import MemoryProfile, load_profile, profile_memory
 from serve_app.memory.reuse import ExpectedProfile, device_kind_of, reuse_problems
@@ -80,6 +81,8 @@ def measure_replica(args: AppArgs, on_progress: Callable[[str], None] = logger.i
     cls = engine_class(args)
     opened = cls.open(args)
     largest = largest_shape(cls.kinds, args.limits, opened.engine.max_seq_tokens)
+    if (pool := opened.engine.kv_pool()) is not None:
+        return _pooled_replica(args, cls, opened, largest, pool)
     profile = _reusable_profile(args, cls, opened, largest)
     reused = profile is not None
     if profile is None:
@@ -95,6 +98,37 @@ def measure_replica(args: AppArgs, on_progress: Callable[[str], None] = logger.i
                            profile=profile, cost_model=profile.cost_model, largest=largest,
                            max_request_bytes=max_request_bytes, budget_bytes=budget_bytes,
                            reused_profile=reused)
+
+
+def _pooled_replica(args: AppArgs, cls: type[Engine], opened: OpenedEngine, largest: Shape,
+                    pool: KVPool) -> MeasuredReplica:
+    """A replica whose engine pages its own KV cache: the budget is the pool, prices are its
+    blocks (:meth:`KVPool.cost_model`), nothing is profiled (the engine's memory beyond the
+    pool was sized by the engine itself).
+
+    Raises:
+        InsufficientMemoryError: the largest request the limits allow needs more blocks than
+            the pool holds (under a policy whose budget must hold it).
+    """
+    cost_model = pool.cost_model()
+    max_request_bytes = cost_model.request_bytes(*largest)
+    if policy_class(args.admission.policy).budget_must_hold_largest \
+            and max_request_bytes > pool.pool_bytes:
+        raise InsufficientMemoryError(
+            f"the KV cache holds {pool.blocks} blocks of {pool.block_tokens} tokens; the "
+            f"largest request the limits allow needs {pool.request_blocks(*largest)}: lower "
+            "limits.max_input_tokens / limits.max_tokens, or give the replica more memory")
+    profile = MemoryProfile(
+        device=opened.probe.device, method="the engine's KV pool", task=args.model.engine_name,
+        model_path=cls.profile_identity(args), capacity_bytes=opened.probe.capacity_bytes(),
+        held_bytes=opened.held_bytes, cost_model=cost_model, points=(), duration_s=0.0,
+        shape_axes=cls.shape_axes)
+    return MeasuredReplica(engine=opened.engine, engine_class=cls, probe=opened.probe,
+                           profile=profile, cost_model=cost_model, largest=largest,
+                           max_request_bytes=max_request_bytes,
+                           budget_bytes=min(args.memory.budget_bytes or pool.pool_bytes,
+                                              pool.pool_bytes),
+                           reused_profile=False)
 
 
 def _profile(args: AppArgs, cls: type[Engine], opened: OpenedEngine, largest: Shape,

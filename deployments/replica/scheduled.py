@@ -18,9 +18,10 @@ import time
 from collections.abc import AsyncIterator
 
 from deployments.engines.base import AsyncScheduler, ScheduledEvent, collect_output
-from deployments.replica.device_health import DeviceHealth
+from deployments.replica.device_health import DeviceHealth, draining_error
 from deployments.replica.inference import InferenceThread
 from serve_app.admission.ticket import Ticket
+from serve_app.errors import ServeAppError
 from serve_app.request import GenerationOutput
 from serve_app.stream_events import Finished
 
@@ -56,7 +57,8 @@ class ScheduledRuns:
 
         Raises:
             InferenceTimeoutError: it ran past ``inference_timeout_s`` (504; aborted).
-            OverloadedError: ``oom`` or ``draining`` from the device (503).
+            OverloadedError: ``oom`` or ``draining`` from the device, or ``draining`` once
+                the engine died (503).
         """
         self._thread.admitted(ticket, 1)
         ticket.claim()
@@ -71,14 +73,37 @@ class ScheduledRuns:
         except (GeneratorExit, asyncio.CancelledError):
             outcome = "cancelled"
             raise
-        except RuntimeError as exc:
+        except ServeAppError as err:
+            outcome = err.code
+            raise
+        except Exception as exc:
             outcome = type(exc).__name__
-            raise self._health.error_for(exc, ticket.lease.nbytes) from None
+            raise self._error_for(exc, ticket) from None
         finally:
-            if not finished:
-                await self._engine.abort(ticket.lease.lease_id)
-                outcome = "unfinished" if outcome == "ok" else outcome
-            self._done(ticket, outcome, time.monotonic() - started)
+            try:
+                if not finished:
+                    await self._abort(ticket)
+                    outcome = "unfinished" if outcome == "ok" else outcome
+            finally:
+                self._done(ticket, outcome, time.monotonic() - started)
+
+    async def _abort(self, ticket: Ticket) -> None:
+        """The engine's abort of ``ticket``'s request; an engine that died holds nothing to
+        abort, so its abort's error is not the request's (the request's own goes on)."""
+        try:
+            await self._engine.abort(ticket.lease.lease_id)
+        except Exception:
+            if self._engine.dead_reason() is None:
+                raise
+
+    def _error_for(self, exc: Exception, ticket: Ticket) -> BaseException:
+        """What a request whose engine failed raises: 503 ``draining`` once the engine says it
+        is dead (recorded as a device fault: the health check fails and Ray Serve replaces
+        the replica), else as :meth:`DeviceHealth.error_for` (503 ``oom``, or the bug)."""
+        if (reason := self._engine.dead_reason()) is not None:
+            self._health.mark_device_fault(reason)
+            return draining_error()
+        return self._health.error_for(exc, ticket.lease.nbytes)
 
     async def _within_timeout(self, stream: AsyncIterator[ScheduledEvent],
                               started: float) -> AsyncIterator[ScheduledEvent]:

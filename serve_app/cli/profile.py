@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from serve_app.admission.policy import policy_class
-from serve_app.cli import EXIT_OK, CliError, shape_text
+from serve_app.cli import EXIT_FAILED, EXIT_OK, CliError, shape_text
 from serve_app.cli.plan import application_allocator, bytes_text
 from serve_app.cli.serve_config import read_application
 from serve_app.cli.validate import load_args
@@ -37,6 +37,11 @@ def profile_command(options: argparse.Namespace) -> int:
     app = read_application(options.config, options.app)
     args, engine = load_args(app, options.model)
     args = profiling_args(args)
+    if not engine.profiled:
+        print(f"vramgate profile: the {args.model.engine_name} engine is not profiled: it sizes "
+              "its own KV cache and a replica's budget is that pool, read at start-up; no "
+              "profile was written", file=sys.stderr)
+        return EXIT_FAILED
     require_cuda_if_needed(args, engine, app.where)
     stem = app.name if options.model is None else f"{app.name}-{args.model.name}"
     out = (options.out or Path("profiles") / f"{stem}.json").expanduser().resolve()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -141,7 +142,10 @@ class MemoryProfile:
 
     @property
     def analytic_ratio_range(self) -> tuple[float, float]:
-        """Smallest and largest ``analytic / measured`` over the points (floor 1 MiB)."""
+        """Smallest and largest ``analytic / measured`` over the points (floor 1 MiB); NaN
+        without points (an engine that pages its own KV cache is not profiled)."""
+        if not self.points:
+            return math.nan, math.nan
         ratios = [p.analytic_bytes / max(p.measured_bytes, 1 << 20) for p in self.points]
         return min(ratios), max(ratios)
 
@@ -177,7 +181,8 @@ class MemoryProfile:
         return {"method": self.method, "shape_axes": list(self.shape_axes),
                 "cost_model": self.cost_model.to_dict(),
                 "points": len(self.points), "duration_s": round(self.duration_s, 2),
-                "analytic_over_measured": [round(low, 2), round(high, 2)]}
+                "analytic_over_measured": [round(low, 2), round(high, 2)]
+                if self.points else None}
 
     def table(self) -> str:
         """A plain-text table of the measurements, for the CLI and the logs: per point its

@@ -33,8 +33,8 @@ class ScheduledReplica:
     """A replica's parts around the ticking engine, priced at ``PER_TOKEN_BYTES``."""
 
     def __init__(self, budget_bytes: int, inference_timeout_s: float = 30.0,
-                 tick_s: float = 0.002) -> None:
-        self.engine = TickingScheduler(tick_s)
+                 tick_s: float = 0.002, engine: TickingScheduler | None = None) -> None:
+        self.engine = engine or TickingScheduler(tick_s)
         self.args = replica_args(inference_timeout_s=inference_timeout_s)
         self.metrics = ProcessMetrics(LABELS["deployment"], LABELS["replica"], use_ray=False)
         self.executor = ThreadPoolExecutor(max_workers=1)
@@ -121,3 +121,53 @@ async def test_a_stall_past_the_inference_timeout_is_a_504_and_aborted() -> None
     assert len(replica.engine.aborted) == 2
     assert replica.parts.gate.budget.reserved_bytes == 0
     assert replica.parts.gate.budget.active_leases == 0
+
+
+class DyingScheduler(TickingScheduler):
+    """Its scheduler dies after ``pieces`` pieces of text in all (as vLLM's engine core
+    process can): every request then fails, and :meth:`dead_reason` says so."""
+
+    def __init__(self, pieces: int) -> None:
+        super().__init__()
+        self.pieces_left = pieces
+        self.died = False
+
+    async def submit(self, request, lease):
+        async for event in super().submit(request, lease):
+            if self.pieces_left == 0:
+                self.died = True
+            if self.died:
+                raise RuntimeError("EngineCore encountered an issue")
+            self.pieces_left -= 1
+            yield event
+
+    async def abort(self, lease_id: int) -> None:
+        if self.died:
+            raise RuntimeError("the engine is dead: nothing to abort")
+        await super().abort(lease_id)
+
+    def dead_reason(self) -> str | None:
+        return "the scheduler died" if self.died else None
+
+
+async def test_a_dying_engine_is_503_draining_and_fails_the_health_check() -> None:
+    replica = ScheduledReplica(budget_bytes=10**6, engine=DyingScheduler(pieces=5))
+    replica.parts.check_health()  # alive: no error
+
+    async def one() -> list:
+        return [item async for item in replica.parts.answer_stream(replica.request(20))]
+
+    try:
+        ends = await asyncio.gather(*(one() for _ in range(4)))
+        with pytest.raises(RuntimeError, match="device fault: the scheduler died"):
+            replica.parts.check_health()
+    finally:
+        replica.close()
+    for items in ends:
+        assert isinstance(items[-1], StreamError)
+        error = items[-1].error
+        assert (error.status_code, error.code, error.retry_after_s) == (503, "draining", 1)
+    assert sum(isinstance(i, TextPiece) for items in ends for i in items) == 5
+    budget = replica.parts.gate.budget
+    assert (budget.reserved_bytes, budget.active_leases) == (0, 0)
+    assert replica.parts.health.device_fault == "the scheduler died"
