@@ -43,8 +43,8 @@ def bodies(seed: int, count: int, model: str) -> list[dict]:
     """``count`` request bodies, drawn from ``seed``."""
     rng = random.Random(seed)
     return [{"model": model, "prompt": rng.choice(PROMPTS), "temperature": 0,
-             "max_tokens": rng.randint(*MAX_TOKENS), "stream": rng.random() < 0.25,
-             "ignore_eos": True} for _ in range(count)]
+             "max_tokens": rng.randint(*MAX_TOKENS), "stream": rng.random() < 0.25}
+            for _ in range(count)]
 
 
 async def post(http: httpx.AsyncClient, body: dict, deadline_s: float = 600) -> Done:

@@ -92,6 +92,27 @@ def test_an_app_that_is_not_vramgate_exits_1(tmp_path: Path,
     assert f"no application has import_path {OURS}" in err
 
 
+def test_an_engine_that_sizes_its_own_kv_cache_is_not_profiled(
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    from tests.support import build_tiny_causal_lm
+
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))  # importable: no engine
+    model = build_tiny_causal_lm(tmp_path / "lm", hidden_size=128, num_heads=2)
+    out = tmp_path / "profile.json"
+    path = write_config(tmp_path, {"name": "v", "import_path": OURS, "args": {
+        "model": {"engine": "vllm", "path": str(model), "device": "cpu"},
+        "deployment": {"num_gpus": 0}}})
+    status, err = run_main(capsys, "profile", "--config", str(path), "--out", str(out))
+    assert status == EXIT_FAILED
+    assert err == ("vramgate profile: the vllm engine is not profiled: it sizes its own KV "
+                   "cache and a replica's budget is that pool, read at start-up; no profile "
+                   "was written\n")
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("bad_args, key", [
     ({"admission": {"max_queu_len": 1}}, "args.admission.max_queu_len: unknown key"),
     ({"memory": {"safety_factor": 2}}, "args.memory.safety_factor: Input should be less"),
