@@ -210,7 +210,8 @@ class DenseDecodeBatch:
         reason = "stop" if ended_by_eos or row.stop.hit else (
             "length" if row.tokens >= row.start.params.max_tokens else None)
         if reason is not None and not row.stop.hit:
-            row.streamer.end()
+            row.streamer.end()  # flushes the last word: it may complete a stop string
+            reason = "stop" if row.stop.hit else reason
         text, row.pieces[:] = "".join(row.pieces), []
         return SequenceUpdate(text, row.tokens, reason)
 

@@ -134,6 +134,25 @@ async def _complete(replica, args, engine, ids, params, stream) -> GenerationOut
     return await completion_of(replica.lifecycle, request)
 
 
+def test_a_stop_string_completed_by_the_last_token_ends_with_stop(llama) -> None:
+    """The streamer holds a word back until it ends; the last token's word is released only
+    when the sequence ends at ``max_tokens``, and a stop string it completes is a ``stop``,
+    as on the lone path (it was ``length``, the text cut)."""
+    for ids in prompts(llama, 8, seed=7):
+        full = llama.generate_ids(ids, GenerationParams(max_tokens=12, temperature=0.0))
+        stop = full.text[-2:]
+        if full.finish_reason != "length" or full.text.find(stop) != len(full.text) - 2:
+            continue  # its last two characters also appear earlier: try the next prompt
+        params = GenerationParams(max_tokens=12, temperature=0.0, stop=(stop,))
+        alone = llama.generate_ids(ids, params)
+        [output], _, _ = asyncio.run(_serve(llama, parse_args({
+            "model": {"path": str(llama.path), "engine": "generate"}}), [(ids, params, False)]))
+        assert (alone.text, alone.finish_reason) == (full.text[:-2], "stop")
+        assert (output.text, output.finish_reason) == (alone.text, "stop")
+        return
+    pytest.fail("no prompt ended in two characters found nowhere else in its text")
+
+
 def test_a_seeded_sample_does_not_depend_on_its_batch(llama) -> None:
     """Each seeded sequence draws from its own generator: the same text alone as beside
     other sampled sequences; another seed gives another text."""
