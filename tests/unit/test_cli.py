@@ -101,6 +101,7 @@ def test_an_engine_that_sizes_its_own_kv_cache_is_not_profiled(
 
     monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))  # importable: no engine
     model = build_tiny_causal_lm(tmp_path / "lm", hidden_size=128, num_heads=2)
+    capsys.readouterr()  # what saving the model printed (transformers 5.19: a progress bar)
     out = tmp_path / "profile.json"
     path = write_config(tmp_path, {"name": "v", "import_path": OURS, "args": {
         "model": {"engine": "vllm", "path": str(model), "device": "cpu"},
