@@ -27,6 +27,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def as_from_a_terminal() -> None:
+    """``preexec_fn`` for a ``serve run`` that :func:`interrupt` stops: Ctrl-C (SIGINT) back
+    to its default. A shell without job control starts a background command (``pytest ... &``)
+    with SIGINT ignored, every child inherits that, and a Python started so never raises
+    KeyboardInterrupt: ``serve run`` then ignores the Ctrl-C, is killed after ``timeout_s``
+    without deleting its applications, and the next test finds them still serving."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupt(process: subprocess.Popen, timeout_s: float = 60) -> None:
     """Ctrl-C to a ``serve run`` started in its own session, as an operator stops it (it then
     deletes its applications); killed if it has not exited within ``timeout_s``."""

@@ -15,6 +15,7 @@ import yaml
 
 from tests.support import (
     SENTENCES,
+    as_from_a_terminal,
     assert_idle_invariants,
     free_port,
     interrupt,
@@ -37,7 +38,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = (path.parent / "serve.log").open("w")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a fresh local Ray
     process = subprocess.Popen([str(serve_bin), "run", str(path)], cwd=ROOT, env=env,
-                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                               preexec_fn=as_from_a_terminal)
     base_url = f"http://127.0.0.1:{port}"
     try:
         wait_until_ready(base_url, timeout_s=240, alive=lambda: process.poll() is None)

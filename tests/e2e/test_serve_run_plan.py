@@ -21,7 +21,7 @@ import yaml
 from serve_app.config import parse_args
 from serve_app.memory.profiler import MemoryProfile
 from serve_app.planning import FALLBACK_MAX_RUNNING, plan_from_profile
-from tests.support import free_port, interrupt, wait_until_ready
+from tests.support import as_from_a_terminal, free_port, interrupt, wait_until_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVE = Path(sys.executable).with_name("serve")
@@ -49,7 +49,7 @@ def config_file(tmp: Path, source: str, port: int, runtime_env: dict | None = No
 def serve_run(config: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
     return subprocess.Popen([str(SERVE), "run", str(config)], cwd=ROOT, env=env,
                             stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=as_from_a_terminal)
 
 
 def _ignore_sighup() -> None:
