@@ -32,8 +32,13 @@ from deployments.engines.generation import GenerationEngine
 from deployments.engines.hf import HFFrontEnd, ModelDirectoryEngine, read_config
 from serve_app.admission.budget import Lease
 from serve_app.config import AppArgs, config_error
-from serve_app.memory.cost_model import DTYPE_BYTES, FittedCostModel, TransformerShape
-from serve_app.memory.kv_pool import KVPool, kv_blocks, kv_blocks_feature
+from serve_app.memory.cost_model import (
+    DTYPE_BYTES,
+    AnalyticCostModel,
+    FittedCostModel,
+    TransformerShape,
+)
+from serve_app.memory.kv_pool import KVPool, kv_blocks
 from serve_app.memory.probes import DeviceProbe
 from serve_app.request import InferenceRequest
 from serve_app.stream_events import Finished, TextPiece
@@ -178,7 +183,7 @@ class VLLMEngine(ModelDirectoryEngine, AsyncScheduler):
         self.front = self.front_end(args)
         self.max_seq_tokens = self.front.max_seq_tokens
         self.max_model_len = model_len(args, self.shape)
-        self.weights_bytes = self.shape.approx_param_count * self.shape.dtype_bytes
+        self.weights_bytes = AnalyticCostModel(self.shape).weights_bytes()
         pool = kv_pool_request(
             args, device, probe.capacity_bytes(), device_identity(device)[1],
             self.weights_bytes, self.shape.kv_cache_bytes(1, DEFAULT_BLOCK_TOKENS[device]),
@@ -248,8 +253,8 @@ class VLLMEngine(ModelDirectoryEngine, AsyncScheduler):
         shape = cls.model_shape(read_config(args.model.resolved_path()), DTYPE_BYTES[dtype])
         block_tokens = DEFAULT_BLOCK_TOKENS[device]
         block_bytes = shape.kv_cache_bytes(1, block_tokens)
-        return (FittedCostModel((kv_blocks_feature(block_tokens),), (float(block_bytes),)),
-                shape.approx_param_count * shape.dtype_bytes)
+        blocks = KVPool(blocks=0, block_tokens=block_tokens, block_bytes=block_bytes)
+        return blocks.cost_model(), AnalyticCostModel(shape).weights_bytes()
 
     @classmethod
     def open(cls, args: AppArgs) -> OpenedEngine:
@@ -277,7 +282,8 @@ class VLLMEngine(ModelDirectoryEngine, AsyncScheduler):
         stats = self.stats
         return {"running_sequences": stats.running, "waiting_sequences": stats.waiting,
                 "blocks_in_use": round(stats.kv_cache_usage * self.pool.blocks),
-                "preempted_sequences": stats.preempted, "steps": self._submitted,
+                "preempted_sequences": stats.preempted,
+                "requests_submitted": self._submitted,
                 **self.pool.figures()}
 
     def runtime_status(self) -> dict[str, Any]:
