@@ -153,9 +153,9 @@ class JobsFront:
         return job if eta_s is None else dataclasses.replace(job, eta_s=eta_s)
 
     async def cancel(self, job_id: str) -> JobView | None:
-        """Cancel a queued job; a running one finishes and its result is dropped
-        (``status`` stays ``running`` until then); a finished one is left as it is. ``None``
-        when unknown here or expired."""
+        """Cancel a queued job; a running one is stopped by its replica's worker within
+        ``jobs.poll_interval_s`` (``status`` stays ``running`` until then, ``cancelled``
+        after); a finished one is left as it is. ``None`` when unknown here or expired."""
         return await self._store.cancel(job_id)
 
 

@@ -12,7 +12,9 @@ prices any request (its cost model and policy), takes the lease from the control
 :meth:`JobStore.claim`), and runs it through the request lifecycle with that lease: batching,
 timeouts, OOM handling and lease accounting are the same as for any request. A transient
 refusal (503) puts the job back at the queue's head; a 4xx or 5xx fails it with the error
-body; an outcome the store cannot take now (its Redis restarting) is written again until it
+body; a cancel that comes while it runs stops it within ``jobs.poll_interval_s``, as a client
+that left stops a request (vLLM aborts it), and records it ``cancelled``; an outcome the store
+cannot take now (its Redis restarting) is written again until it
 can. A record it cannot read (stored by an earlier release and not rebuilt by an ingress yet,
 or by another release) stays at the head for ``UNREADABLE_WAIT_S``, then fails with 500
 ``job_format``. Heartbeats tell others the replica is alive; a replica that stops beating
@@ -22,13 +24,14 @@ has its running jobs queued again by the others (:meth:`JobStore.recover_orphans
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
@@ -46,6 +49,7 @@ from serve_app.outcomes import JobOutcome
 from serve_app.pricing import shape_bytes
 
 logger = logging.getLogger("ray.serve")
+T = TypeVar("T")
 
 MAX_RETRY_PAUSE_S = 10.0
 """Longest pause between two tries while the job store fails."""
@@ -53,6 +57,10 @@ UNREADABLE_WAIT_S = 60.0
 """How long a job whose record this replica cannot read stays at the queue's head, for an
 ingress to rebuild it (:meth:`deployments.http.jobs_http.JobsFront.rebuild_stored`) or a replica
 of its release to take it, before it fails with 500 ``job_format``."""
+
+
+class _CancelRequested(Exception):
+    """A running job was cancelled (``DELETE /v1/jobs/{id}``)."""
 
 
 @dataclass(frozen=True)
@@ -198,8 +206,11 @@ class JobWorker:
         store, worker = self._store, self._worker_id
         outcome: Callable[[], Awaitable[Any]]
         try:
-            result = await self._replica.lifecycle.infer(stored.request, admission)
+            result = await self._unless_cancelled(
+                job.id, self._replica.lifecycle.infer(stored.request, admission))
             body: Any = stored.render(result)
+        except _CancelRequested:  # requeue records a cancelled job as cancelled
+            outcome = partial(store.requeue, job.id, worker)
         except OverloadedError:
             outcome = partial(store.requeue, job.id, worker)
         except ServeAppError as exc:
@@ -215,6 +226,28 @@ class JobWorker:
         status = await store_outcome(job.id, outcome, self._config.poll_interval_s)
         if status is not None:  # None: another outcome was recorded first
             self._replica.metrics.inc("jobs_finished", outcome=JobOutcome.of(status))
+
+    async def _unless_cancelled(self, job_id: str, work: Awaitable[T]) -> T:
+        """``work``'s result, unless a cancel of ``job_id`` comes first (asked every
+        ``jobs.poll_interval_s``): then ``work`` is cancelled as a client that left is (an
+        engine that schedules itself aborts the request; the lease goes back once the device
+        let go of it) and :class:`_CancelRequested` is raised. A store that does not answer
+        now is asked again at the next poll.
+
+        Raises:
+            _CancelRequested: the job was cancelled while it ran.
+        """
+        task = asyncio.ensure_future(work)
+        try:
+            while not (await asyncio.wait({task}, timeout=self._config.poll_interval_s))[0]:
+                with contextlib.suppress(RedisConnectionError, RedisTimeoutError, OSError):
+                    if await self._store.cancel_requested(job_id):
+                        raise _CancelRequested(job_id)
+            return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     def close(self) -> None:
         """Stop pulling (jobs running finish, or are re-run after the heartbeat lapses)."""

@@ -220,6 +220,11 @@ class JobStore:
         reply = await self._run("GET", [self.key("job", job_id), self._queued], [job_id])
         return None if reply is None else await self._view(reply)
 
+    async def cancel_requested(self, job_id: str) -> bool:
+        """Whether a cancel came for ``job_id`` while it runs (one ``HGET``: cheap enough for
+        a running job's worker to ask every poll)."""
+        return await self._client.hget(self.key("job", job_id), "cancel_requested") == b"1"
+
     async def head(self) -> JobView | None:
         """The next queued job (position 0, with ``request`` and ``price_bytes``; ``eta_s`` not
         computed), left in the queue; ``None`` when the queue is empty."""
@@ -228,8 +233,9 @@ class JobStore:
 
     async def cancel(self, job_id: str) -> JobView | None:
         """Cancel: a queued job leaves the queue as ``cancelled``; a running one gets
-        ``cancel_requested`` (it runs on, and its outcome is recorded as ``cancelled``, without
-        result); a final one is unchanged. Returns the job after that, ``None`` if unknown."""
+        ``cancel_requested`` (its worker sees it within a poll, stops it and records it
+        ``cancelled``, without result: :meth:`cancel_requested`); a final one is unchanged. Returns
+        the job after that, ``None`` if unknown."""
         reply = await self._run("CANCEL", [self.key("job", job_id), self._queued],
                                 [job_id, self.base, repr(float(self._clock())), self._ttl_ms])
         return None if reply is None else await self._view(reply)

@@ -97,9 +97,9 @@ class Parts:
     replica's :class:`JobWorker`, sharing one job store."""
 
     def __init__(self, store: JobStore, budget_bytes: int = 64 * 64 * PER_TOKEN_BYTES,
-                 clock: FakeClock | None = None) -> None:
+                 clock: FakeClock | None = None, **replica_options: Any) -> None:
         self.store = store
-        self.replica = Replica(budget_bytes=budget_bytes, max_batch_size=4)
+        self.replica = Replica(budget_bytes=budget_bytes, max_batch_size=4, **replica_options)
         args = self.replica.args
         context = RouteContext(args, RequestFactory(args, self.replica.engine.front),
                                client=None, guard=None)  # type: ignore[arg-type]
@@ -253,6 +253,32 @@ async def test_a_job_larger_than_the_whole_budget_fails_with_request_too_large(s
                    "replica's whole budget of 20000 bytes",
         "type": "invalid_request_error", "code": "request_too_large"}
     assert reserved == 0
+
+
+async def test_a_running_job_cancelled_stops_within_a_poll_and_gives_its_lease_back(
+        store) -> None:
+    """A job on the decode loop at 0.25 s per token would run 13 s; cancelled once it runs,
+    it leaves the engine at its next step, is recorded ``cancelled`` without result, and
+    the replica holds nothing; the job behind it then runs."""
+    parts = Parts(store, continuous=True, latency_per_token_s=0.25)
+    try:
+        long_id = await parts.submit(COMPLETE, {"prompt": words(4, 2), "max_tokens": 50,
+                                                "temperature": 0.0})
+        behind = await parts.submit(COMPLETE, COMPLETION)
+        parts.pull()
+        while (await store.get(long_id)).status != "running":
+            await asyncio.sleep(0.01)
+        await parts.jobs.cancel(long_id)
+        cancelled = await parts.finished(long_id, timeout_s=5.0)  # not after its 13 s
+        ran = await parts.finished(behind)
+        await asyncio.sleep(0.05)  # the decode loop lets go of the finished rows
+        reserved, leases = (parts.replica.gate.budget.reserved_bytes,
+                            parts.replica.gate.budget.active_leases)
+    finally:
+        await parts.close()
+    assert (cancelled.status, cancelled.result_json, cancelled.attempts) == ("cancelled", None, 1)
+    assert ran.status == "succeeded"
+    assert (reserved, leases) == (0, 0)
 
 
 class NothingQueued:
