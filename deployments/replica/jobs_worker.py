@@ -14,9 +14,9 @@ timeouts, OOM handling and lease accounting are the same as for any request. A t
 refusal (503) puts the job back at the queue's head; a 4xx or 5xx fails it with the error
 body; a cancel that comes while it runs stops it within ``jobs.poll_interval_s``, as a client
 that left stops a request (vLLM aborts it), and records it ``cancelled``; an outcome the store
-cannot take now (its Redis restarting) is written again until it
-can. A record it cannot read (stored by an earlier release and not rebuilt by an ingress yet,
-or by another release) stays at the head for ``UNREADABLE_WAIT_S``, then fails with 500
+cannot take now (its Redis restarting) is written again until it can. A record it cannot
+read (stored by an earlier release and not rebuilt by an ingress yet, or by another release)
+stays at the head for ``UNREADABLE_WAIT_S``, then fails with 500
 ``job_format``. Heartbeats tell others the replica is alive; a replica that stops beating
 has its running jobs queued again by the others (:meth:`JobStore.recover_orphans`).
 """
