@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
-from serve_app.memory.cost_model import CorrectedCostModel, CostModel, Shape
+from serve_app.memory.cost_model import CostModel, Shape
+from serve_app.memory.expected_output import published_model
 
 
 class UnitsPolicy(Protocol):
@@ -80,6 +81,6 @@ def estimate_units(published: Iterable[Mapping[str, Any] | None], shape: Shape,
     """The ingress's price of ``shape``: the largest over the replicas' published cost
     models (:meth:`~serve_app.memory.cost_model.CorrectedCostModel.published`; they
     profiled separately), ``None`` while no replica has published one."""
-    prices = [Pricer(CorrectedCostModel.from_published(raw), policy).units(shape)
+    prices = [Pricer(published_model(raw), policy).units(shape)
               for raw in published if raw]
     return max(prices) if prices else None

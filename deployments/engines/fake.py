@@ -30,7 +30,8 @@ from deployments.engines.fake_stepping import FakeDecodeSteps
 from deployments.engines.runners import EmbeddingRunner, GenerationRunner, batch_params
 from deployments.engines.spec import EngineSpec
 from deployments.engines.words import SPECIAL_TOKENS, VOCAB, WordFrontEnd, decode_words, digest
-from serve_app.config import AppArgs, FakeConfig, config_error
+from serve_app.config import AppArgs, config_error
+from serve_app.fake_config import FakeConfig
 from serve_app.memory.cost_model import AnalyticCostModel, FittedCostModel, TransformerShape
 from serve_app.memory.simulated import Allocation, SimulatedDevice, SimulatedDeviceProbe
 from serve_app.request import GenerationOutput, GenerationParams, InferenceRequest

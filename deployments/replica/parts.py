@@ -35,6 +35,7 @@ from serve_app.admission.policy import make_policy
 from serve_app.config import AppArgs
 from serve_app.errors import ServeAppError
 from serve_app.memory.cost_model import CorrectedCostModel, CostModel
+from serve_app.memory.expected_output import ExpectedOutputCostModel
 from serve_app.memory.probes import DeviceProbe
 from serve_app.metrics import ProcessMetrics
 from serve_app.pricing import Pricer, shape_bytes
@@ -96,8 +97,10 @@ class Replica:
         self.thread = InferenceThread(executor, probe, self.health, self.gate, adm, metrics,
                                       self.log)
         pricer = Pricer(self.cost_model, self.policy)
+        expected = cost_model.expected if isinstance(cost_model, ExpectedOutputCostModel) \
+            else None
         self.scheduled = ScheduledRuns(engine, self.thread, self.health,
-                                       adm.inference_timeout_s) \
+                                       adm.inference_timeout_s, expected) \
             if isinstance(engine, AsyncScheduler) else None
         self.batcher = RequestBatcher(self.thread, engine, pricer, args.batching) \
             if args.batching.enabled and self.scheduled is None else None
@@ -187,7 +190,7 @@ class Replica:
             refused_by_prediction=queue.refused_by_prediction(
                 args.deployment.autoscaling_look_back_s))
 
-    def _kv_cache_figures(self) -> dict[str, int] | None:
+    def _kv_cache_figures(self) -> dict[str, Any] | None:
         """``/v1/status``'s ``kv_cache``: the decode loop's figures, or an engine's own (its
         pool's blocks leased are the gate's leases, in blocks), or ``None``."""
         if self.decode is not None:
@@ -196,7 +199,7 @@ class Replica:
             return None
         block_bytes = figures["block_bytes"]
         leased = -(-self.gate.budget.reserved_bytes // block_bytes) if block_bytes else 0
-        return {**figures, "blocks_leased": leased}
+        return {**figures, "blocks_leased": leased, "kv_lease": self.args.admission.kv_lease}
 
     def check_health(self) -> None:
         """Ray Serve's health check. Raises RuntimeError after a device fault, while an

@@ -19,6 +19,7 @@ from serve_app.config import AppArgs
 from serve_app.kinds import largest_shape
 from serve_app.memory.budget import InsufficientMemoryError, derive_budget_bytes
 from serve_app.memory.cost_model import CostModel, Shape
+from serve_app.memory.expected_output import ExpectedOutput, ExpectedOutputCostModel
 from serve_app.memory.kv_pool import KVPool
 from serve_app.memory.probes import DeviceProbe
 from serve_app.memory.profiler import MemoryProfile, load_profile, profile_memory
@@ -103,15 +104,16 @@ def measure_replica(args: AppArgs, on_progress: Callable[[str], None] = logger.i
 def _pooled_replica(args: AppArgs, cls: type[Engine], opened: OpenedEngine, largest: Shape,
                     pool: KVPool) -> MeasuredReplica:
     """A replica whose engine pages its own KV cache: the budget is the pool, prices are its
-    blocks (:meth:`KVPool.cost_model`), nothing is profiled (the engine's memory beyond the
-    pool was sized by the engine itself).
+    blocks (:meth:`KVPool.cost_model`; under ``admission.kv_lease: expected``, for the new
+    tokens expected: :class:`ExpectedOutputCostModel`), nothing is profiled (the engine's
+    memory beyond the pool was sized by the engine itself).
 
     Raises:
         InsufficientMemoryError: the largest request the limits allow needs more blocks than
             the pool holds (under a policy whose budget must hold it).
     """
     cost_model = pool.cost_model()
-    max_request_bytes = cost_model.request_bytes(*largest)
+    max_request_bytes = cost_model.request_bytes(*largest)  # guaranteed: it must fit whole
     if policy_class(args.admission.policy).budget_must_hold_largest \
             and max_request_bytes > pool.pool_bytes:
         raise InsufficientMemoryError(
@@ -123,8 +125,11 @@ def _pooled_replica(args: AppArgs, cls: type[Engine], opened: OpenedEngine, larg
         model_path=cls.profile_identity(args), capacity_bytes=opened.probe.capacity_bytes(),
         held_bytes=opened.held_bytes, cost_model=cost_model, points=(), duration_s=0.0,
         shape_axes=cls.shape_axes)
+    adm = args.admission
+    leased: CostModel = cost_model if adm.kv_lease == "guaranteed" else \
+        ExpectedOutputCostModel(cost_model, ExpectedOutput(adm.kv_lease_quantile))
     return MeasuredReplica(engine=opened.engine, engine_class=cls, probe=opened.probe,
-                           profile=profile, cost_model=cost_model, largest=largest,
+                           profile=profile, cost_model=leased, largest=largest,
                            max_request_bytes=max_request_bytes,
                            budget_bytes=min(args.memory.budget_bytes or pool.pool_bytes,
                                               pool.pool_bytes),

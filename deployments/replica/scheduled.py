@@ -22,6 +22,7 @@ from deployments.replica.device_health import DeviceHealth, draining_error
 from deployments.replica.inference import InferenceThread
 from serve_app.admission.ticket import Ticket
 from serve_app.errors import ServeAppError
+from serve_app.memory.expected_output import ExpectedOutput
 from serve_app.request import GenerationOutput
 from serve_app.stream_events import Finished
 
@@ -36,12 +37,14 @@ class ScheduledRuns:
             any other; nothing runs on it.
         health: the device health (an OOM is 503 ``oom``, a device fault 503 ``draining``).
         inference_timeout_s: the longest a request may run (``admission.inference_timeout_s``).
+        expected: under ``admission.kv_lease: expected``, the expectations a finished
+            completion's length feeds.
     """
 
     def __init__(self, engine: AsyncScheduler, thread: InferenceThread, health: DeviceHealth,
-                 inference_timeout_s: float) -> None:
+                 inference_timeout_s: float, expected: ExpectedOutput | None = None) -> None:
         self._engine, self._thread, self._health = engine, thread, health
-        self._timeout_s = inference_timeout_s
+        self._timeout_s, self._expected = inference_timeout_s, expected
 
     async def result(self, ticket: Ticket) -> GenerationOutput:
         """``ticket``'s request run to its end, as one output.
@@ -69,6 +72,9 @@ class ScheduledRuns:
             async with contextlib.aclosing(stream):
                 async for event in self._within_timeout(stream, started):
                     finished = isinstance(event, Finished)
+                    if finished and self._expected is not None:
+                        self._expected.observe(ticket.request.params.max_tokens,
+                                               event.completion_tokens)
                     yield event
         except (GeneratorExit, asyncio.CancelledError):
             outcome = "cancelled"

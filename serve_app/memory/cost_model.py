@@ -274,14 +274,17 @@ class CorrectedCostModel:
         return {**self.base.to_dict(), "correction_factor": self.factor}
 
     @classmethod
-    def from_published(cls, raw: dict[str, Any]) -> CorrectedCostModel:
+    def from_published(cls, raw: dict[str, Any], base: CostModel | None = None,
+                       ) -> CorrectedCostModel:
         """The model :meth:`published` describes: it prices every shape exactly as the
-        publishing replica does.
+        publishing replica does. ``base``: the base model already read from ``raw`` (default:
+        a :class:`FittedCostModel`; :func:`serve_app.memory.expected_output.published_model`
+        reads any).
 
         Raises:
             KeyError, ValueError: ``raw`` is not a published fitted model.
         """
-        model = cls(FittedCostModel.from_dict(raw))
+        model = cls(base if base is not None else FittedCostModel.from_dict(raw))
         model.factor = float(raw.get("correction_factor", 1.0))
         return model
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import math
 import os
 import signal
 import threading
@@ -31,6 +33,11 @@ from deployments.replica.parts import Replica, ReplicaIdentity  # noqa: E402
 from deployments.replica.profiling import MeasuredReplica, measure_replica  # noqa: E402
 from serve_app.config import parse_args  # noqa: E402
 from serve_app.kinds import build_request  # noqa: E402
+from serve_app.memory.expected_output import (  # noqa: E402
+    MIN_SAMPLES,
+    ExpectedOutput,
+    ExpectedOutputCostModel,
+)
 from serve_app.metrics import ProcessMetrics  # noqa: E402
 from serve_app.request import GenerationParams  # noqa: E402
 from serve_app.stream_events import Finished, StreamError, TextPiece  # noqa: E402
@@ -54,7 +61,8 @@ class Loop:
         self._thread.join(10)
 
 
-def vllm_args(model_dir, inference_timeout_s: float = 60.0) -> Any:
+def vllm_args(model_dir, inference_timeout_s: float = 60.0, kv_lease: str = "guaranteed",
+              ) -> Any:
     return parse_args({
         "model": {"engine": "vllm", "path": str(model_dir), "name": "tiny-vllm",
                   "device": "cpu"},
@@ -62,7 +70,7 @@ def vllm_args(model_dir, inference_timeout_s: float = 60.0) -> Any:
         "limits": {"max_input_tokens": 32, "max_tokens": 96},
         "batching": {"max_batch_size": MAX_BATCH},
         "admission": {"max_queue_len": 256, "max_queue_wait_s": 120,
-                      "inference_timeout_s": inference_timeout_s}})
+                      "inference_timeout_s": inference_timeout_s, "kv_lease": kv_lease}})
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +188,30 @@ def test_a_request_past_the_inference_timeout_is_a_504_and_aborted(loop, measure
     assert isinstance(items[-1], StreamError) and items[-1].error.status_code == 504
     assert (replica.gate.budget.reserved_bytes, replica.gate.budget.active_leases) == (0, 0)
     assert (figures["running_sequences"], figures["waiting_sequences"]) == (0, 0)
+
+
+def test_expected_leases_learn_from_the_completions_vllm_finished(loop, measured) -> None:
+    """Under ``admission.kv_lease: expected`` each completion vLLM finishes feeds its
+    ``max_tokens`` range; once ``MIN_SAMPLES`` did, the replica publishes their quantile and
+    prices by it (the ingress reads it from ``/v1/status``'s cost model)."""
+    expected = ExpectedOutput(0.95)
+    leased = dataclasses.replace(measured, cost_model=ExpectedOutputCostModel(
+        measured.engine.kv_pool().cost_model(), expected))
+    with replica_on(loop, leased, vllm_args("unused", kv_lease="expected")) as replica:
+        async def complete(max_tokens: int) -> int:
+            result = await replica.answer(request(replica, max_tokens, stream=False))
+            return result.output.completion_tokens
+
+        async def all_of() -> list[int]:
+            return await asyncio.gather(*(complete(33 + i) for i in range(MIN_SAMPLES)))
+
+        lengths = loop.run(all_of())
+        state = replica.state()
+    quantile = sorted(lengths)[math.ceil(0.95 * MIN_SAMPLES) - 1]
+    assert state.cost_model["expected_new_tokens"] == {"64": quantile}
+    assert state.kv_cache["kv_lease"] == "expected"
+    assert expected.tokens(64) == quantile and expected.tokens(128) == 128
+    assert (replica.gate.budget.reserved_bytes, replica.gate.budget.active_leases) == (0, 0)
 
 
 async def _collect(items) -> list:
