@@ -16,8 +16,8 @@ blocks of prompt + the 0.95 quantile of the completions it saw.
 Both modes first run ``--warm-up`` requests (``expected`` needs 32 completions of a range
 before it leases less; ``guaranteed`` gets the same), then the closed loop is measured:
 generated tokens/s, p50/p99 latency, median time to first token (streamed requests), the
-most sequences leased at once (``peak_reserved_bytes`` / block bytes) and the sequences vLLM
-preempted meanwhile (``/v1/status``).
+most blocks leased at once (``peak_reserved_bytes`` / block bytes, warm-up included) and the
+sequences vLLM preempted meanwhile (``/v1/status``).
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def measure(base_url: str, options: argparse.Namespace, block_bytes: int) -> dic
     ok = [d for d in dones if d.status == 200]
     return {**closed_figures(dones, wall_s),
             "mean_tokens": sum(d.tokens for d in ok) / max(1, len(ok)),
-            "peak_sequences": after["gate"]["peak_reserved_bytes"] / block_bytes,
+            "peak_blocks": after["peak_reserved_bytes"] / block_bytes,
             "preempted": (after["kv_cache"]["preempted_sequences"]
                           - before["kv_cache"]["preempted_sequences"]),
             "expected_new_tokens": after["cost_model"].get("expected_new_tokens", {})}
@@ -130,12 +130,12 @@ def run(options: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 def table(rows: dict[str, dict[str, Any]], clients: int) -> list[str]:
     lines = ["| kv_lease | clients | tokens/s | p50 s | p99 s | TTFT p50 s | mean completion "
-             "tokens | most sequences leased at once | preempted | failed |",
+             "tokens | most blocks leased at once | preempted | failed |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in rows.items():
         lines.append(f"| {name} | {clients} | {row['tokens_per_s']:.0f} | {row['p50_s']:.2f} | "
                      f"{row['p99_s']:.2f} | {row['ttft_p50_s']:.2f} | {row['mean_tokens']:.0f} "
-                     f"| {row['peak_sequences']:.1f} | {row['preempted']} | {row['failed']} |")
+                     f"| {row['peak_blocks']:.0f} | {row['preempted']} | {row['failed']} |")
     if "expected" in rows:
         lines.append(f"\nexpected new tokens by max_tokens range: "
                      f"{rows['expected']['expected_new_tokens']}")

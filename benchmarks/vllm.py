@@ -65,7 +65,8 @@ def vramgate_args(path: Path, engine: str, max_queue_wait_s: float) -> dict[str,
             "deployment": {"num_gpus": 0},
             "limits": {"max_input_tokens": 64, "max_tokens": 128},
             "batching": {"max_batch_size": MAX_NUM_SEQS, "continuous": True},
-            "admission": {"max_queue_len": 4096, "max_queue_wait_s": max_queue_wait_s}}
+            "admission": {"max_queue_len": 4096, "max_queue_wait_s": max_queue_wait_s,
+                          "kv_lease": "guaranteed"}}  # the overload goal's mode
 
 
 async def _in_process(path: Path) -> list[dict[str, float]]:

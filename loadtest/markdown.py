@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from loadtest import vllm_section
 from loadtest.outcomes import Outcome
 from loadtest.scenarios import BASELINES, MIXES, SHAPES, SPIKE_MULTIPLE
 from loadtest.summary import markdown_table
@@ -204,6 +205,8 @@ def render(report: Mapping[str, Any], out_dir: Path, page_dir: Path) -> str:
     ]
     for section in report["workloads"]:
         lines += _section_lines(section, img)
+    if report.get("vllm"):
+        lines += vllm_section.section_lines(report["vllm"])
     lines += [
         "## Contract checks (every run)",
         "",

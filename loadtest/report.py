@@ -13,6 +13,10 @@ difference between the two locates any wait beyond ``max_queue_wait_s``. That se
 left out when the budget's derived ``max_ongoing_requests`` is already
 :data:`UNBOUNDED_ONGOING` or more (it would be the same run).
 
+Then, where vLLM is installed (or ``--engines vllm``), the vLLM section
+(:mod:`loadtest.vllm_section`: vramgate + vLLM against vLLM's own server, closed loop and
+overload, and the two KV lease modes).
+
 Writes the plots, ``summary.json`` and ``summary.csv`` to ``--out`` and the report to
 ``--markdown``; raw per-run files go to ``loadtest/results/report-<time>/``.
 """
@@ -31,6 +35,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from loadtest import vllm_section
 from loadtest.plots import comparison
 from loadtest.prices import slots_for
 from loadtest.runner import (
@@ -146,10 +151,11 @@ def run_report(options: argparse.Namespace) -> None:
             sections.append(_run_workload(workload, base_url, results, out, quick))
     finally:
         stop_serve()
+    vllm = vllm_section.run_section(quick) if vllm_section.wanted(options.engines) else None
     elapsed_s = time.monotonic() - started
     report = {"machine": machine(), "quick": quick, "elapsed_s": round(elapsed_s),
               "command": " ".join(["python -m loadtest.run", *sys.argv[1:]]),
-              "results": str(results.relative_to(REPO)), "workloads": sections}
+              "results": str(results.relative_to(REPO)), "workloads": sections, "vllm": vllm}
     (out / "summary.json").write_text(json.dumps(report, indent=2, default=str))
     _write_csv(out / "summary.csv", [row for s in sections for row in s["rows"]])
     from loadtest.markdown import render

@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     report.add_argument("--quick", action="store_true",
                         help="a ~6-minute smoke run (fake engine, short runs)")
     report.add_argument("--engines", default="",
-                        help="comma-separated subset of the report's engines")
+                        help="comma-separated subset of the report's engines (fake, "
+                        "minilm, vllm; default: all, vllm where it is installed)")
     report.add_argument("--out", default="", help="plots and tables (default docs/benchmarks, "
                         "or loadtest/results/quick with --quick)")
     report.add_argument("--markdown", default="", help="the report (default BENCHMARKS.md, "

@@ -142,10 +142,10 @@ class AdmissionConfig(_Section):
         30.0, gt=0, allow_inf_nan=False,
         description="Longest inference before 504 `inference_timeout`.")
     kv_lease: Literal["guaranteed", "expected"] = Field(
-        "guaranteed", description="`model.engine: vllm` only. `guaranteed`: lease the KV "
-        "blocks of prompt + `max_tokens` (never preempted). `expected`: of prompt + the "
-        "`kv_lease_quantile` of the completion lengths observed in that `max_tokens` range "
-        "(more admitted at once; vLLM preempts the rare request that outgrows its lease).")
+        "expected", description="`model.engine: vllm` only. `expected`: lease the KV blocks "
+        "of prompt + the `kv_lease_quantile` of the completion lengths observed in that "
+        "`max_tokens` range (vLLM preempts the rare request that outgrows it). `guaranteed`: "
+        "of prompt + `max_tokens` (never preempted).")
     kv_lease_quantile: float = Field(
         0.95, gt=0, le=1, description="Under `kv_lease: expected`: the share of observed "
         "completions a lease covers.")

@@ -82,6 +82,10 @@ class EngineSpec(Protocol):
         """The model's context (tokens) and where it was read, without loading the model;
         ``None``: unknown here (or not a token context)."""
 
+    def planned_budget_bytes(self, args: AppArgs, budget_bytes: int) -> int:
+        """The budget a replica will have where the formula gives ``budget_bytes`` (an engine
+        that sizes its own KV pool may take less)."""
+
 
 def planned_host_capacity(args: AppArgs) -> tuple[int, str]:
     """A CPU replica's capacity where the app is built: ``memory.host_fraction`` of the RAM
@@ -393,6 +397,7 @@ def _analytic_plan(args: AppArgs, engine: EngineSpec) -> DeploymentPlan:
     else:
         budget = budget_formula_bytes(capacity, weights_bytes, mem.reserve_bytes,
                                       mem.safety_factor)
+    budget = engine.planned_budget_bytes(args, budget)
     price = p95_request_bytes(args, engine.kinds, cost_model, model_context(args, engine))
     return _plan(args, max_running_requests(budget, price), f"analytic estimate from {source}",
                  budget, price,

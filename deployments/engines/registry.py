@@ -53,7 +53,9 @@ def engine_class(args: AppArgs) -> type[Engine]:
         raise config_error(key, f"{path} serves request kinds {list(cls.kinds)}; each must be "
                            f"one of {sorted(KINDS)}")
     cls.check_args(args)
-    if args.admission.kv_lease == "expected" and not issubclass(cls, AsyncScheduler):
+    adm = args.admission
+    if "kv_lease" in adm.model_fields_set and adm.kv_lease == "expected" \
+            and not issubclass(cls, AsyncScheduler):  # set, not the default
         raise config_error("admission.kv_lease", "`expected` needs an engine that pages its "
                            f"own KV cache and preempts (model.engine: vllm), not {name!r}")
     return cls

@@ -154,6 +154,12 @@ class EngineSpec:
         raise NoAnalyticCostModelError(f"the {args.model.engine_name} engine")
 
     @classmethod
+    def planned_budget_bytes(cls, args: AppArgs, budget_bytes: int) -> int:
+        """The budget a replica will derive where the formula gives ``budget_bytes``: that
+        budget (an engine that sizes its own KV pool overrides this)."""
+        return budget_bytes
+
+    @classmethod
     def planned_context(cls, args: AppArgs) -> tuple[int, str] | None:
         """The model's context (tokens) and where it was read, without loading the model,
         for planning and ``vramgate validate``; ``None`` (the default): unknown here."""

@@ -8,7 +8,9 @@ process), and puts vramgate's admission in front of it:
   (:func:`kv_pool_request`); after start the replica reads the pool it really allocated
   (``cache_config.num_gpu_blocks`` x bytes per block) and admits against it
   (:class:`serve_app.memory.kv_pool.KVPool`). A request's lease is the blocks of its prompt +
-  ``max_tokens``, so what was admitted always fits: vLLM never preempts it.
+  the new tokens expected of it (``admission.kv_lease: expected``, the default:
+  :mod:`serve_app.memory.expected_output`; vLLM preempts the rare request that outgrows it),
+  or + ``max_tokens`` (``guaranteed``: what was admitted always fits, never preempted).
 - **Waiting happens in vramgate's bounded FIFO** (refusal by predicted wait, ``Retry-After``,
   position comments, durable jobs) before vLLM sees a request; vLLM's own waiting queue only
   ever holds admitted requests (``max_num_seqs`` = ``batching.max_batch_size``).
@@ -246,15 +248,39 @@ class VLLMEngine(ModelDirectoryEngine, AsyncScheduler):
         """The KV blocks of a request's prompt + ``max_tokens`` at vLLM's default block size
         for the device (:data:`DEFAULT_BLOCK_TOKENS`), and the weights' bytes, from
         ``config.json`` in the dtype a replica loads."""
-        from deployments.engines.devices import resolve_dtype
-
-        device = cls.device_kind(args)
-        dtype = resolve_dtype(args.model.dtype, device)
-        shape = cls.model_shape(read_config(args.model.resolved_path()), DTYPE_BYTES[dtype])
+        device, shape = cls._planned_shape(args)
         block_tokens = DEFAULT_BLOCK_TOKENS[device]
         block_bytes = shape.kv_cache_bytes(1, block_tokens)
         blocks = KVPool(blocks=0, block_tokens=block_tokens, block_bytes=block_bytes)
         return blocks.cost_model(), AnalyticCostModel(shape).weights_bytes()
+
+    @classmethod
+    def planned_budget_bytes(cls, args: AppArgs, budget_bytes: int) -> int:
+        """On CPU, the pool a replica asks vLLM for (:func:`kv_pool_request`): at most what
+        ``batching.max_batch_size`` sequences of ``max_model_len`` tokens fill. On CUDA vLLM
+        sizes its pool from ``gpu_memory_utilization``: ``budget_bytes`` as the formula gave.
+
+        Raises:
+            OSError, KeyError, ValueError: the model's config cannot be read.
+        """
+        device, shape = cls._planned_shape(args)
+        if device != "cpu":
+            return budget_bytes
+        block_tokens = DEFAULT_BLOCK_TOKENS[device]
+        sequence_bytes = kv_blocks(model_len(args, shape), block_tokens) \
+            * shape.kv_cache_bytes(1, block_tokens)
+        return min(budget_bytes, args.batching.max_batch_size * sequence_bytes)
+
+    @classmethod
+    def _planned_shape(cls, args: AppArgs) -> tuple[str, TransformerShape]:
+        """The device a replica gets and the model's shape in the dtype it loads, from
+        ``config.json``."""
+        from deployments.engines.devices import resolve_dtype
+
+        device = cls.device_kind(args)
+        dtype = resolve_dtype(args.model.dtype, device)
+        return device, cls.model_shape(read_config(args.model.resolved_path()),
+                                       DTYPE_BYTES[dtype])
 
     @classmethod
     def open(cls, args: AppArgs) -> OpenedEngine:

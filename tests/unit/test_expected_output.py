@@ -101,7 +101,11 @@ def test_the_published_model_prices_as_the_replica() -> None:
     assert "expected_new_tokens" not in CorrectedCostModel(POOL.cost_model()).published()
 
 
-def test_expected_leases_are_refused_for_an_engine_that_does_not_page_its_cache() -> None:
+def test_expected_leases_asked_of_an_engine_that_does_not_page_its_cache_are_refused() -> None:
+    """The default (``expected``) applies where it can; set by hand on an engine without a
+    KV pool it is refused, naming the key."""
+    assert parse_args({}).admission.kv_lease == "expected"
+    assert engine_class(parse_args({"model": {"engine": "fake", "name": "m"}})) is not None
     args = parse_args({"model": {"engine": "fake", "name": "m"},
                        "admission": {"kv_lease": "expected"}})
     with pytest.raises(ConfigError, match=r"admission\.kv_lease.*model\.engine: vllm"):

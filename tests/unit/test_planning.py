@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -380,3 +381,29 @@ def test_a_fake_engine_profile_is_used_for_the_fake_engine(tmp_path: Path) -> No
     plan = plan_deployment(args_with(path, model={"task": "fake"}, fake=FAKE))
     assert plan.how == f"measured profile {path}"
     assert plan.request_bytes == MiB + 1024 * 8 * 128  # the profile's model, not fake.*
+
+
+def test_a_vllm_replica_on_cpu_is_planned_with_the_pool_it_will_ask_for(tmp_path: Path) -> None:
+    """vLLM's CPU pool is at most what ``max_batch_size`` sequences of ``max_model_len``
+    fill (128-token blocks), however much host memory the formula leaves; on a small share
+    the formula's budget stands."""
+    from deployments.engines.vllm_engine import VLLMEngine
+    from tests.support import build_tiny_causal_lm
+
+    model = build_tiny_causal_lm(tmp_path / "lm", hidden_size=128, num_heads=2)
+    block_bytes = 128 * 2 * 2 * 2 * 64 * 4  # tokens x K,V x layers x KV heads x dim x fp32
+
+    def plan(capacity_bytes: int) -> Any:
+        return planning.plan_deployment(parse_args({
+            "model": {"engine": "vllm", "path": str(model), "device": "cpu",
+                      "dtype": "float32"},
+            "memory": {"capacity_bytes": capacity_bytes, "reserve_bytes": 0,
+                       "safety_factor": 1.0},
+            "limits": {"max_input_tokens": 32, "max_tokens": 224},  # 256: 2 blocks
+            "batching": {"max_batch_size": 4}}), VLLMEngine)
+
+    assert plan(8 * GiB).budget_bytes == 4 * 2 * block_bytes
+    _, weights_bytes = VLLMEngine.analytic_costs(parse_args({
+        "model": {"engine": "vllm", "path": str(model), "device": "cpu",
+                  "dtype": "float32"}}))
+    assert plan(weights_bytes + 5 * block_bytes).budget_bytes == 5 * block_bytes
