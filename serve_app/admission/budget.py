@@ -10,6 +10,8 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from serve_app.admission.fair import DEFAULT_TENANT
+
 
 @dataclass(eq=False)
 class Lease:
@@ -23,6 +25,7 @@ class Lease:
     nbytes: int
     _budget: MemoryBudget = field(repr=False)
     released: bool = False
+    tenant: str = DEFAULT_TENANT
 
     def release(self) -> bool:
         """Return the bytes to the budget. Returns ``True`` the first time, ``False`` after."""
@@ -57,6 +60,9 @@ class MemoryBudget:
         # Told True when the first lease is taken and False when the last goes back: when the
         # replica works (the drain rate's busy time, serve_app.admission.drain).
         self.on_busy: Callable[[bool], None] | None = None
+        # Told each lease as it is taken (True) and given back (False): the tenants' service
+        # (serve_app.admission.fair).
+        self.on_lease: Callable[[Lease, bool], None] | None = None
 
     @property
     def budget_bytes(self) -> int:
@@ -75,8 +81,8 @@ class MemoryBudget:
         """Whether a request of ``nbytes`` could run on an idle replica."""
         return nbytes <= self._budget_bytes
 
-    def try_reserve(self, nbytes: int) -> Lease | None:
-        """Lease ``nbytes`` if they fit now, else return ``None``. Never blocks.
+    def try_reserve(self, nbytes: int, tenant: str = DEFAULT_TENANT) -> Lease | None:
+        """Lease ``nbytes`` to ``tenant`` if they fit now, else return ``None``. Never blocks.
 
         Raises:
             ValueError: ``nbytes`` is negative or not a whole number.
@@ -94,7 +100,10 @@ class MemoryBudget:
         self.charged_bytes_total += nbytes
         if self.active_leases == 1 and self.on_busy is not None:
             self.on_busy(True)
-        return Lease(next(self._ids), int(nbytes), self)
+        lease = Lease(next(self._ids), nbytes, self, tenant=tenant)
+        if self.on_lease is not None:
+            self.on_lease(lease, True)
+        return lease
 
     def set_budget_bytes(self, budget_bytes: int) -> None:
         """Change the budget (e.g. after an OOM). Existing leases are kept; if they now exceed
@@ -107,5 +116,7 @@ class MemoryBudget:
         self._reserved_bytes -= lease.nbytes
         self.active_leases -= 1
         self.released_bytes_total += lease.nbytes
+        if self.on_lease is not None:
+            self.on_lease(lease, False)
         if self.active_leases == 0 and self.on_busy is not None:
             self.on_busy(False)

@@ -7,13 +7,17 @@ Semantics (README, "How admission works", step 4):
 
 * a request larger than the whole budget is refused at once (``request_too_large``), it never
   waits out a timeout;
-* FIFO: while anyone waits, newcomers queue behind them even if they would fit, and a head that
-  does not fit blocks the queue, so large requests are never starved by small ones;
+* fair, then FIFO: while anyone waits, newcomers queue behind them even if they would fit; the
+  next admitted is the head of the backlogged tenant with the least byte-seconds of service
+  per weight (:mod:`serve_app.admission.fair`; with one tenant, plain FIFO), first come first
+  served within a tenant, and a head that does not fit blocks the queue, so large requests are
+  never starved by small ones;
 * one deadline per waiter, fixed at arrival (``max_queue_wait_s``), never restarted;
 * cancelled or expired waiters leave the queue at once, and whatever they were blocking is
   admitted in the same call;
-* ``queue_position`` is the number of waiters ahead at arrival, not a count that includes the
-  running requests; :meth:`AdmissionQueue.positions` gives every waiter's position now;
+* ``queue_position`` is the number of waiters ahead at arrival in the fair order (its own
+  tenant's, and the others' within its share), not a count that includes the running
+  requests; :meth:`AdmissionQueue.positions` gives every waiter's position now;
 * refused at once by prediction (``predicted_timeout``): a request whose predicted wait
   (:meth:`AdmissionQueue.predicted_wait_s`) exceeds the time it has left would only wait in
   vain; while no drain rate is measured nothing is refused on a guess.
@@ -35,6 +39,7 @@ from serve_app.admission.drain import (
     DrainRateEstimator,
     predicted_wait_s,
 )
+from serve_app.admission.fair import DEFAULT_TENANT, FairShare
 from serve_app.outcomes import Outcome, Reason
 
 
@@ -51,6 +56,7 @@ class Waiter:
     lease: Lease | None = None
     expired: bool = False
     evicted: bool = False
+    tenant: str = DEFAULT_TENANT
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,7 @@ class AdmissionQueue:
             (its backlog of passes; see :meth:`predicted_wait_s`), ``0`` when unknown.
         refuse_predicted: refuse by prediction every request (``True``), or only those whose
             client gave a wait limit (``False``; ``admission.refuse_predicted_waits``).
+        fair: the tenants' service and weights (one tenant: FIFO).
     """
 
     budget: MemoryBudget
@@ -106,7 +113,10 @@ class AdmissionQueue:
     thread_wait_s: Callable[[], float] = lambda: 0.0
     refuse_predicted: bool = True
     calibration: WaitCalibration = field(default_factory=WaitCalibration)
+    fair: FairShare = None  # type: ignore[assignment]  # default: equal weights, ``clock``
     _waiters: OrderedDict[int, Waiter] = field(default_factory=OrderedDict, init=False)
+    _tenants: dict[str, OrderedDict[int, Waiter]] = field(default_factory=dict, init=False)
+    _tenant_bytes: dict[str, int] = field(default_factory=dict, init=False)
     _predicted_refusals: deque = field(default_factory=deque, init=False)
     _queued_bytes: int = field(default=0, init=False)
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1), init=False)
@@ -117,7 +127,16 @@ class AdmissionQueue:
             raise ValueError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
         if self.drain is None:
             self.drain = DrainRateEstimator(clock=self.clock)
+        if self.fair is None:
+            self.fair = FairShare(clock=self.clock)
         self.budget.on_busy = self.drain.set_busy
+        self.budget.on_lease = self._on_lease
+
+    def _on_lease(self, lease: Lease, taken: bool) -> None:
+        if taken:
+            self.fair.leased(lease.lease_id, lease.tenant, lease.nbytes)
+        else:
+            self.fair.returned(lease.lease_id)
 
     @property
     def queue_depth(self) -> int:
@@ -127,8 +146,17 @@ class AdmissionQueue:
     def queued_bytes(self) -> int:
         return self._queued_bytes
 
+    def backlog(self) -> dict[str, tuple[int, int]]:
+        """Each backlogged tenant's waiters and queued bytes."""
+        return {t: (len(w), self._tenant_bytes[t]) for t, w in self._tenants.items()}
+
+    def waiters(self) -> list[Waiter]:
+        """The waiters, in arrival order."""
+        return list(self._waiters.values())
+
     def submit(self, nbytes: int, waited_s: float = 0.0,
-               wait_limit_s: float | None = None, after_in_flight: bool = False) -> Decision:
+               wait_limit_s: float | None = None, after_in_flight: bool = False,
+               tenant: str = DEFAULT_TENANT) -> Decision:
         """Admit ``nbytes`` now, queue it, or refuse it. Never blocks.
 
         ``waited_s``: how long the request already waited before reaching this queue (in
@@ -137,7 +165,8 @@ class AdmissionQueue:
         ``min(max_queue_wait_s, wait_limit_s) - waited_s`` left: a queued request's deadline
         is that long after it arrived here, and one predicted to wait longer is refused now
         (``predicted_timeout``). ``after_in_flight``: it runs after all the work admitted
-        before it (see :meth:`predicted_wait_s`).
+        before it (see :meth:`predicted_wait_s`). ``tenant``: whose it is (its place in the
+        fair order, its lease's service).
 
         Raises:
             ValueError: ``nbytes`` is negative.
@@ -151,15 +180,16 @@ class AdmissionQueue:
                             retry_after_s=self._retry_after_s(nbytes))
         self.expire()
         if wait_limit_s == 0:
-            return self._at_once_or_refused(nbytes, after_in_flight)
+            return self._at_once_or_refused(nbytes, after_in_flight, tenant)
         left_s = self.time_left_s(waited_s, wait_limit_s)
-        predicted_s = self.predicted_wait_s(nbytes, after_in_flight)
+        predicted_s = self.predicted_wait_s(nbytes, after_in_flight, tenant)
+        position = self._newcomer_position(tenant, nbytes)
         if predicted_s is not None and (self.refuse_predicted or wait_limit_s is not None):
-            refusal = self._refusal_by_prediction(nbytes, predicted_s, left_s)
+            refusal = self._refusal_by_prediction(nbytes, predicted_s, left_s, position)
             if refusal is not None:
                 return refusal
         if not self._waiters:
-            lease = self.budget.try_reserve(nbytes)
+            lease = self.budget.try_reserve(nbytes, tenant)
             if lease is not None:
                 return Decision(Outcome.ADMITTED, nbytes, lease=lease,
                                 predicted_wait_s=predicted_s)
@@ -170,15 +200,14 @@ class AdmissionQueue:
                             queue_position=len(self._waiters))
         now = self.clock()
         waiter = Waiter(waiter_id=next(self._ids), nbytes=nbytes, enqueued_at=now,
-                        deadline=now + left_s, position=len(self._waiters),
-                        predicted_wait_s=predicted_s)
-        self._waiters[waiter.waiter_id] = waiter
-        self._queued_bytes += nbytes
+                        deadline=now + left_s, position=position,
+                        predicted_wait_s=predicted_s, tenant=tenant)
+        self._enqueue(waiter)
         return Decision(Outcome.QUEUED, nbytes, waiter=waiter, queue_position=waiter.position,
                         predicted_wait_s=predicted_s)
 
-    def _refusal_by_prediction(self, nbytes: int, predicted_s: float,
-                               left_s: float) -> Decision | None:
+    def _refusal_by_prediction(self, nbytes: int, predicted_s: float, left_s: float,
+                               position: int) -> Decision | None:
         """The ``predicted_timeout`` refusal of a request predicted to wait ``predicted_s``
         (plus the calibration margin) with ``left_s`` to wait, or ``None`` when it fits."""
         margin_s = self.calibration.margin_s()
@@ -188,17 +217,18 @@ class AdmissionQueue:
         self._predicted_refusals.append(self.clock())
         return Decision(Outcome.REJECTED, nbytes, reason=Reason.PREDICTED_TIMEOUT,
                         retry_after_s=min(MAX_RETRY_AFTER_S, max(MIN_WAIT_S, over_s)),
-                        queue_position=len(self._waiters), predicted_wait_s=predicted_s,
+                        queue_position=position, predicted_wait_s=predicted_s,
                         margin_s=margin_s)
 
-    def _at_once_or_refused(self, nbytes: int, after_in_flight: bool) -> Decision:
+    def _at_once_or_refused(self, nbytes: int, after_in_flight: bool,
+                            tenant: str) -> Decision:
         """A request that will not wait (``wait_limit_s`` 0): its lease now if nothing is
         queued ahead of it, nothing it would run after is leased (``after_in_flight``) and
         it fits; else ``predicted_timeout`` at once, with the wait it would have had as
         ``Retry-After``."""
         ahead = bool(self._waiters) or (after_in_flight and self.budget.reserved_bytes > 0)
-        lease = None if ahead else self.budget.try_reserve(nbytes)
-        predicted_s = self.predicted_wait_s(nbytes, after_in_flight)
+        lease = None if ahead else self.budget.try_reserve(nbytes, tenant)
+        predicted_s = self.predicted_wait_s(nbytes, after_in_flight, tenant)
         if lease is not None:
             return Decision(Outcome.ADMITTED, nbytes, lease=lease, predicted_wait_s=0.0)
         self._predicted_refusals.append(self.clock())
@@ -206,7 +236,8 @@ class AdmissionQueue:
             self._queued_bytes + nbytes - self.budget.free_bytes)
         return Decision(Outcome.REJECTED, nbytes, reason=Reason.PREDICTED_TIMEOUT,
                         retry_after_s=min(MAX_RETRY_AFTER_S, max(MIN_WAIT_S, wait_s)),
-                        queue_position=len(self._waiters), predicted_wait_s=predicted_s)
+                        queue_position=self._newcomer_position(tenant, nbytes),
+                        predicted_wait_s=predicted_s)
 
     def refused_by_prediction(self, window_s: float) -> int:
         """Requests refused by prediction in the last ``window_s`` seconds: demand that did
@@ -223,29 +254,47 @@ class AdmissionQueue:
             else min(self.max_queue_wait_s, wait_limit_s)
         return max(0.0, limit_s - max(0.0, waited_s))
 
-    def predicted_wait_s(self, nbytes: int, after_in_flight: bool = False) -> float | None:
-        """Seconds a request of ``nbytes`` arriving now should wait before it starts
-        (:func:`serve_app.admission.drain.predicted_wait_s` of the bytes queued ahead of it,
+    def predicted_wait_s(self, nbytes: int, after_in_flight: bool = False,
+                         tenant: str = DEFAULT_TENANT) -> float | None:
+        """Seconds a request of ``tenant`` of ``nbytes`` arriving now should wait before it
+        starts (:func:`serve_app.admission.drain.predicted_wait_s` of the bytes admitted ahead
+        of it in the fair order, :meth:`FairShare.share_ahead`,
         with, when ``after_in_flight`` (forward passes, run in order on the one thread), the
         bytes leased now as well, and of the thread's backlog); ``None`` when nothing is
         measured yet. A request is refused when this plus the margin of recent errors
         (``calibration``, :mod:`serve_app.admission.calibration`) exceeds the time it has;
         its ``Retry-After`` is how much shorter the wait must get."""
         in_flight = self.budget.reserved_bytes + self._queued_bytes if after_in_flight else None
-        return predicted_wait_s(self._queued_bytes + nbytes - self.budget.free_bytes,
+        ahead = self.fair.share_ahead(tenant, self._tenant_bytes.get(tenant, 0) + nbytes,
+                                      self._tenant_bytes)
+        return predicted_wait_s(ahead - self.budget.free_bytes,
                                 self.drain.busy_bytes_per_s(), self.thread_wait_s(), in_flight)
 
     def positions(self) -> dict[int, tuple[int, float | None]]:
-        """Every waiter's position now (waiters ahead of it) and its predicted wait to be
-        admitted (bytes ahead of it and its own, less what is free, over the drain rate;
-        ``None`` while no rate is measured), by ``waiter_id``."""
-        ahead_bytes, positions = 0, {}
+        """Every waiter's position now (waiters ahead of it in the fair order) and its
+        predicted wait to be admitted (bytes admitted before it and its own, less what is
+        free, over the drain rate; ``None`` while no rate is measured), by ``waiter_id``."""
+        positions = {}
         free_bytes = self.budget.free_bytes
-        for position, waiter in enumerate(self._waiters.values()):
-            ahead_bytes += waiter.nbytes
-            positions[waiter.waiter_id] = (position,
-                                           self.drain.drain_s(ahead_bytes - free_bytes))
+        for tenant, waiters in self._tenants.items():
+            through = 0
+            for own_ahead, waiter in enumerate(waiters.values()):
+                through += waiter.nbytes
+                ahead = self.fair.share_ahead(tenant, through, self._tenant_bytes)
+                positions[waiter.waiter_id] = (self._position(tenant, through, own_ahead),
+                                               self.drain.drain_s(ahead - free_bytes))
         return positions
+
+    def _position(self, tenant: str, through_bytes: int, own_ahead: int) -> int:
+        """:meth:`FairShare.waiters_ahead` in this queue."""
+        return self.fair.waiters_ahead(tenant, through_bytes, own_ahead, {
+            other: [w.nbytes for w in waiters.values()]
+            for other, waiters in self._tenants.items() if other != tenant})
+
+    def _newcomer_position(self, tenant: str, nbytes: int) -> int:
+        """:meth:`_position` of a request of ``tenant`` of ``nbytes`` queued now."""
+        own = self._tenants.get(tenant, {})
+        return self._position(tenant, self._tenant_bytes.get(tenant, 0) + nbytes, len(own))
 
     def release(self, lease: Lease) -> list[Waiter]:
         """Release ``lease`` (idempotent) and return the waiters admitted as a result."""
@@ -259,8 +308,8 @@ class AdmissionQueue:
         If it had already been admitted, its lease is released. Returns the waiters admitted
         because it left.
         """
-        if self._waiters.pop(waiter.waiter_id, None) is not None:
-            self._queued_bytes -= waiter.nbytes
+        if waiter.waiter_id in self._waiters:
+            self._remove(waiter)
             self._changed()
             return self.pump()
         if waiter.lease is not None:
@@ -273,8 +322,7 @@ class AdmissionQueue:
         now = self.clock()
         gone = [w for w in self._waiters.values() if w.deadline <= now]
         for waiter in gone:
-            del self._waiters[waiter.waiter_id]
-            self._queued_bytes -= waiter.nbytes
+            self._remove(waiter)
             waiter.expired = True
         if gone:
             self._changed()
@@ -288,8 +336,7 @@ class AdmissionQueue:
         self.budget.set_budget_bytes(min(budget_bytes, self.max_budget_bytes))
         evicted = [w for w in self._waiters.values() if not self.budget.fits_ever(w.nbytes)]
         for waiter in evicted:
-            del self._waiters[waiter.waiter_id]
-            self._queued_bytes -= waiter.nbytes
+            self._remove(waiter)
             waiter.evicted = True
         if evicted:
             self._changed()
@@ -304,15 +351,16 @@ class AdmissionQueue:
         return self._retry_after_s(self._queued_bytes + own - self.budget.free_bytes)
 
     def pump(self) -> list[Waiter]:
-        """Admit waiters from the head while the head fits. Returns those admitted."""
+        """Admit waiters while the next one fits: the head of the backlogged tenant with the
+        least service per weight (:meth:`FairShare.next_tenant`). Returns those admitted."""
         admitted = []
         while self._waiters:
-            head = next(iter(self._waiters.values()))
-            lease = self.budget.try_reserve(head.nbytes)
+            tenant = self.fair.next_tenant(self._tenants)
+            head = next(iter(self._tenants[tenant].values()))
+            lease = self.budget.try_reserve(head.nbytes, tenant)
             if lease is None:
                 break
-            del self._waiters[head.waiter_id]
-            self._queued_bytes -= head.nbytes
+            self._remove(head)
             head.lease = lease
             admitted.append(head)
             if self.on_admit is not None:
@@ -320,6 +368,29 @@ class AdmissionQueue:
         if admitted:
             self._changed()
         return admitted
+
+    def _enqueue(self, waiter: Waiter) -> None:
+        """``waiter`` at the tail of its tenant's queue; a tenant that was not backlogged
+        joins (:meth:`FairShare.joined`)."""
+        own = self._tenants.get(waiter.tenant)
+        if own is None:
+            self.fair.joined(waiter.tenant, self._tenants)
+            own = self._tenants[waiter.tenant] = OrderedDict()
+        own[waiter.waiter_id] = waiter
+        self._waiters[waiter.waiter_id] = waiter
+        self._queued_bytes += waiter.nbytes
+        self._tenant_bytes[waiter.tenant] = self._tenant_bytes.get(waiter.tenant, 0) \
+            + waiter.nbytes
+
+    def _remove(self, waiter: Waiter) -> None:
+        """``waiter`` out of the queue (admitted, withdrawn, expired or evicted)."""
+        del self._waiters[waiter.waiter_id]
+        self._queued_bytes -= waiter.nbytes
+        own = self._tenants[waiter.tenant]
+        del own[waiter.waiter_id]
+        self._tenant_bytes[waiter.tenant] -= waiter.nbytes
+        if not own:
+            del self._tenants[waiter.tenant], self._tenant_bytes[waiter.tenant]
 
     def _changed(self) -> None:
         if self.on_change is not None:
