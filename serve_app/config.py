@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from serve_app.auth_config import AuthConfig
 from serve_app.fake_config import FakeConfig
 from serve_app.jobs.config import JobsConfig
 from serve_app.user_cache import user_cache_dir
@@ -141,6 +142,10 @@ class AdmissionConfig(_Section):
     inference_timeout_s: float = Field(
         30.0, gt=0, allow_inf_nan=False,
         description="Longest inference before 504 `inference_timeout`.")
+    queue: Literal["fair", "fifo"] = Field(
+        "fair", description="Order of the waiting requests: `fair` admits next the head of "
+        "the tenant with the least device memory-time (byte-seconds) per weight (`auth."
+        "tenants`), first come first served within a tenant; `fifo`: arrival order alone.")
     kv_lease: Literal["guaranteed", "expected"] = Field(
         "expected", description="`model.engine: vllm` only. `expected`: lease the KV blocks "
         "of prompt + the `kv_lease_quantile` of the completion lengths observed in that "
@@ -251,21 +256,6 @@ class DeploymentConfig(_Section):
         if problems:
             raise ValueError("\n".join(problems))
         return self
-
-
-class AuthConfig(_Section):
-    api_key: str = Field(
-        "", description="Bearer key clients must send (`Authorization: Bearer <key>`) on every "
-        "route but /healthz and /readyz. Empty: no key (unless `api_key_env` names one).")
-    api_key_env: str = Field(
-        "VRAMGATE_API_KEY", description="Environment variable read for the key when `api_key` "
-        "is empty (keeps the key out of the config file).")
-
-    def resolved_key(self) -> str:
-        """The configured key: ``api_key``, else the environment variable, else ``""``."""
-        import os
-
-        return self.api_key or os.environ.get(self.api_key_env, "")
 
 
 class IdempotencyConfig(_Section):

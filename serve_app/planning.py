@@ -83,8 +83,7 @@ class EngineSpec(Protocol):
         ``None``: unknown here (or not a token context)."""
 
     def planned_budget_bytes(self, args: AppArgs, budget_bytes: int) -> int:
-        """The budget a replica will have where the formula gives ``budget_bytes`` (an engine
-        that sizes its own KV pool may take less)."""
+        """The budget a replica has where the formula gives ``budget_bytes``."""
 
 
 def planned_host_capacity(args: AppArgs) -> tuple[int, str]:
@@ -392,12 +391,9 @@ def _analytic_plan(args: AppArgs, engine: EngineSpec) -> DeploymentPlan:
     except (OSError, KeyError, ValueError) as exc:
         logger.warning("cannot read the model config to plan the deployment: %s", exc)
         return _plan(args, FALLBACK_MAX_RUNNING, "fallback (model config unreadable)")
-    if mem.budget_bytes is not None:
-        budget, source = mem.budget_bytes, "memory.budget_bytes"
-    else:
-        budget = budget_formula_bytes(capacity, weights_bytes, mem.reserve_bytes,
-                                      mem.safety_factor)
-    budget = engine.planned_budget_bytes(args, budget)
+    source = "memory.budget_bytes" if mem.budget_bytes is not None else source
+    budget = engine.planned_budget_bytes(args, mem.budget_bytes or budget_formula_bytes(
+        capacity, weights_bytes, mem.reserve_bytes, mem.safety_factor))
     price = p95_request_bytes(args, engine.kinds, cost_model, model_context(args, engine))
     return _plan(args, max_running_requests(budget, price), f"analytic estimate from {source}",
                  budget, price,

@@ -59,6 +59,7 @@ class GateFigures:
             out), for predicted waits (``None`` before any lease ran).
         wait_margin_s: seconds added to predicted waits before refusing on them (the recent
             errors' quantile, :mod:`serve_app.admission.calibration`).
+        tenants: each tenant's share (:meth:`AdmissionController.tenant_figures`).
     """
 
     capacity: int
@@ -74,6 +75,7 @@ class GateFigures:
     thread_wait_s: float = 0.0
     busy_drain_bytes_per_s: float | None = None
     wait_margin_s: float = 0.0
+    tenants: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,6 +173,7 @@ class ReplicaState:
             "thread_wait_s": round(gate.thread_wait_s, 4),
             "busy_drain_bytes_per_s": gate.busy_drain_bytes_per_s,
             "wait_margin_s": round(gate.wait_margin_s, 4),
+            "tenants": {t: dict(f) for t, f in gate.tenants.items()},
             "budget_bytes": self.budget_bytes,
             "measured_budget_bytes": self.measured_budget_bytes,
             "budget_shrink_count": self.budget_shrink_count,

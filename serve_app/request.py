@@ -15,6 +15,7 @@ from dataclasses import KW_ONLY, dataclass, replace
 
 import numpy as np
 
+from serve_app.admission.fair import DEFAULT_TENANT
 from serve_app.memory.cost_model import Shape
 
 
@@ -111,6 +112,8 @@ class InferenceRequest:
         wait_limit_s: the longest the client will wait before it starts, seconds, when it
             said so (``Prefer: wait``, ``X-Stainless-Read-Timeout``); ``None``: it did not;
             ``0``: it will not wait (:attr:`no_wait`).
+        tenant: whose request it is (its key's tenant: ``auth.tenants``), for the fair
+            order of the admission queue and the request log.
     """
 
     kind: str
@@ -123,6 +126,7 @@ class InferenceRequest:
     estimated_bytes: int | None = None
     sent_at_s: float | None = None
     wait_limit_s: float | None = None
+    tenant: str = DEFAULT_TENANT
 
     @property
     def no_wait(self) -> bool:

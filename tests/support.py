@@ -71,7 +71,8 @@ def wait_until_ready(base_url: str, timeout_s: float = 180.0,
     raise TimeoutError(f"{base_url} not ready after {timeout_s} s (last: {last!r})")
 
 
-def settled_status(base_url: str, timeout_s: float = 15.0) -> list[dict[str, Any]]:
+def settled_status(base_url: str, timeout_s: float = 15.0,
+                   headers: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Replica statuses published after this call, once none holds, queues or runs anything.
 
     Polls ``/v1/status`` (replicas publish about once a second) and returns the first snapshot
@@ -82,7 +83,8 @@ def settled_status(base_url: str, timeout_s: float = 15.0) -> list[dict[str, Any
     deadline = time.monotonic() + timeout_s
     replicas: list[dict[str, Any]] = []
     while time.monotonic() < deadline:
-        replicas = httpx.get(f"{base_url}/v1/status", timeout=5).json()["replicas"]
+        replicas = httpx.get(f"{base_url}/v1/status", timeout=5,
+                             headers=headers).json()["replicas"]
         if replicas and all(r["updated_at"] >= since and r["active_leases"] == 0
                             and r["queue_depth"] == 0 and r["inferences_running"] == 0
                             for r in replicas):

@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from deployments.http.http_errors import error_response
 from deployments.http.http_middleware import BearerAuth, route_path
 from deployments.http.served_models import ModelFront, ServedModels
+from serve_app.admission.fair import DEFAULT_TENANT
 from serve_app.client_wait import client_wait_limit_s, prefers_async
 from serve_app.errors import OverloadedError
 from serve_app.planning import SMALLEST_SHAPE
@@ -64,6 +65,7 @@ class EarlyRefusalMiddleware:
                 or not self._auth.accepts(path, headers.get("authorization", ""))):
             return None
         [front] = serving
-        error = await front.client.shape_refusal(SMALLEST_SHAPE, client_wait_limit_s(headers),
-                                                 front.routes[path].kind.generates)
+        error = await front.client.shape_refusal(
+            SMALLEST_SHAPE, client_wait_limit_s(headers), front.routes[path].kind.generates,
+            scope.get("state", {}).get("tenant", DEFAULT_TENANT))
         return None if error is None else (front, error)

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import hmac
 import time
+from collections.abc import Mapping
 
 from fastapi import Request
 from ray.exceptions import TaskCancelledError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deployments.http.http_errors import error_response
+from serve_app.admission.fair import DEFAULT_TENANT
 from serve_app.errors import AuthenticationError, BodyTooLargeError
 from serve_app.metrics import ProcessMetrics
 
@@ -145,16 +147,19 @@ def route_path(scope: Scope) -> str:
 
 class BearerAuth:
     """Every route but the probes needs ``Authorization: Bearer <key>`` when a key is
-    configured (``auth.*``); compared in constant time (``hmac.compare_digest``).
+    configured (``auth.*``); the key names the request's tenant
+    (:meth:`serve_app.auth_config.AuthConfig.tenant_keys`). Keys are compared in constant
+    time (``hmac.compare_digest``, each one).
 
     Args:
-        api_key: the key (empty: no key, every request passes).
+        tenant_keys: every key and its tenant (empty: no key; every request is the default
+            tenant).
     """
 
     PROBES = ("/healthz", "/readyz")
 
-    def __init__(self, api_key: str) -> None:
-        self._api_key = api_key.encode()
+    def __init__(self, tenant_keys: Mapping[str, str]) -> None:
+        self._keys = [(key.encode(), tenant) for key, tenant in tenant_keys.items()]
 
     async def __call__(self, request: Request) -> None:
         """Raises AuthenticationError (401) for a missing or wrong key."""
@@ -166,8 +171,57 @@ class BearerAuth:
     def accepts(self, path: str, authorization: str) -> bool:
         """Whether a request to ``path`` (below the app's prefix: :func:`route_path`) with
         this ``Authorization`` header may pass."""
-        if not self._api_key or path in self.PROBES:
-            return True
+        return not self._keys or path in self.PROBES or self.tenant(authorization) is not None
+
+    def tenant(self, authorization: str) -> str | None:
+        """The tenant this ``Authorization`` header's key names: the default tenant when no
+        key is configured, ``None`` for a missing or unknown key."""
+        if not self._keys:
+            return DEFAULT_TENANT
         scheme, _, given = authorization.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(),
-                                                                  self._api_key)
+        if scheme.lower() != "bearer":
+            return None
+        found = None
+        for key, tenant in self._keys:  # every key compared: the time says nothing
+            if hmac.compare_digest(given.strip().encode(), key):
+                found = tenant
+        return found
+
+
+class TenantMiddleware:
+    """Names each HTTP request's tenant from its key (:meth:`BearerAuth.tenant`) in
+    ``request.state.tenant``, for the routes, the request log and the metrics, and answers
+    it in the ``X-Tenant`` response header. A request whose key is missing or unknown has
+    none (the key check refuses it with 401).
+
+    Args:
+        app: the ASGI app behind.
+        auth: the app's key check.
+    """
+
+    def __init__(self, app: ASGIApp, auth: BearerAuth) -> None:
+        self._app, self._auth = app, auth
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        tenant = None
+        if scope["type"] == "http":
+            authorization = next((v.decode("latin-1") for k, v in scope["headers"]
+                                  if k == b"authorization"), "")
+            tenant = self._auth.tenant(authorization)
+        if tenant is None:
+            await self._app(scope, receive, send)
+            return
+        scope.setdefault("state", {})["tenant"] = tenant
+
+        async def send_with_tenant(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"x-tenant", tenant.encode())]}
+            await send(message)
+
+        await self._app(scope, receive, send_with_tenant)
+
+
+def tenant_of(request: Request) -> str:
+    """The request's tenant (:class:`TenantMiddleware`), the default one if none."""
+    return getattr(request.state, "tenant", DEFAULT_TENANT)

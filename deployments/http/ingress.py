@@ -32,6 +32,7 @@ from deployments.http.http_middleware import (
     BodyLimitMiddleware,
     HeadMiddleware,
     HttpMetricsMiddleware,
+    TenantMiddleware,
 )
 from deployments.http.ingress_opening import Opening, OpeningGate
 from deployments.http.jobs_http import JobsRoutes
@@ -114,7 +115,7 @@ class Ingress:
     def __serve_build_asgi_app__(self) -> FastAPI:
         """Ray Serve calls this after ``__init__``; the routes close over this replica."""
         args = self._args
-        auth = BearerAuth(args.auth.resolved_key())
+        auth = BearerAuth(args.auth.tenant_keys())
         app = FastAPI(title="vramgate",
                       description="Memory-budget admission for model serving on Ray Serve.",
                       dependencies=[Depends(auth)])
@@ -124,6 +125,7 @@ class Ingress:
         app.add_middleware(EarlyRefusalMiddleware, models=self._models, auth=auth)
         # Before any part that needs the models open: the probes alone pass before.
         app.add_middleware(OpeningGate, opening=self._opening)
+        app.add_middleware(TenantMiddleware, auth=auth)
         app.add_middleware(HttpMetricsMiddleware, metrics=self._metrics)
         app.add_middleware(HeadMiddleware)  # outermost: the others see a GET
         install_error_handlers(app)

@@ -25,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from deployments.http.http_middleware import tenant_of
 from deployments.http.idempotency_guard import checked_key
 from deployments.http.openapi import responses
 from deployments.http.replica_view import ReplicaView
@@ -87,7 +88,9 @@ class JobsFront:
         key = request.headers.get("idempotency-key")
         job, created = await self._store.submit(
             path, body.model_dump_json(exclude_unset=True),
-            encode_job(prepared.request, prepared.render), units or 0, checked_key(key),
+            encode_job(dataclasses.replace(prepared.request, tenant=tenant_of(request)),
+                       prepared.render),
+            units or 0, checked_key(key),
             job_id)
         job = await self.with_eta(await self._store.get(job.id) or job)
         headers = {"Location": f"/v1/jobs/{job.id}"}

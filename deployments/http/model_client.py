@@ -17,6 +17,7 @@ from deployments.http.http_errors import as_serve_app_error
 from deployments.http.replica_view import ReplicaView
 from serve_app.admission.calibration import WaitCalibration
 from serve_app.admission.drain import MAX_RETRY_AFTER_S
+from serve_app.admission.fair import DEFAULT_TENANT
 from serve_app.errors import OverloadedError, ServeAppError
 from serve_app.kinds import KINDS
 from serve_app.memory.cost_model import Shape
@@ -102,22 +103,24 @@ class ModelClient:
         """
         units = await self._replicas.estimate(request.shape)
         refusal = await self.predicted_refusal(units, request.wait_limit_s,
-                                               KINDS[request.kind].generates)
+                                               KINDS[request.kind].generates, request.tenant)
         if refusal is not None:
             raise refusal
         return request.sent(units, time.time())
 
     async def shape_refusal(self, shape: Shape, wait_limit_s: float | None,
-                            generates: bool = False) -> OverloadedError | None:
+                            generates: bool = False,
+                            tenant: str = DEFAULT_TENANT) -> OverloadedError | None:
         """:meth:`predicted_refusal` of a request of ``shape``, priced as the replicas
         publish."""
         if not await self._refuses_by_prediction(wait_limit_s):
             return None  # not priced on every request for nothing
         return await self.predicted_refusal(await self._replicas.estimate(shape), wait_limit_s,
-                                            generates)
+                                            generates, tenant)
 
     async def predicted_refusal(self, units: int | None, wait_limit_s: float | None,
-                                generates: bool = False) -> OverloadedError | None:
+                                generates: bool = False,
+                                tenant: str = DEFAULT_TENANT) -> OverloadedError | None:
         """The 503 ``predicted_timeout`` (counted in ``/metrics``) for a request of ``units``
         whose client waits ``wait_limit_s`` at most (``None``: no limit given), when every
         replica's published figures predict a longer wait than it may wait
@@ -127,11 +130,12 @@ class ModelClient:
         for a replica to take a request); ``None`` when it may be sent. Refuses nothing with
         ``admission.refuse_predicted_waits`` off and no client limit, nor while an
         autoscaling deployment runs fewer than its most replicas (the replicas refuse then,
-        and count it for the autoscaler)."""
+        and count it for the autoscaler). ``tenant``: whose it is (its fair share of the
+        replicas' backlogs)."""
         if not await self._refuses_by_prediction(wait_limit_s):
             return None
         predicted_s = await self._replicas.predicted_wait_s(units, self._unassigned_units,
-                                                            generates)
+                                                            generates, tenant)
         if predicted_s is not None and self._unassigned:
             predicted_s += self._assign_waits.margin_s()
         left_s = wait_bound_s(self._max_queue_wait_s, wait_limit_s)

@@ -13,9 +13,10 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.http.http_errors import as_serve_app_error
 from serve_app.admission.drain import predicted_wait_s, wait_s
+from serve_app.admission.fair import DEFAULT_TENANT, share_ahead
 from serve_app.memory.cost_model import Shape
 from serve_app.pricing import UnitsPolicy, estimate_units
-from serve_app.replica_state import ReplicaState
+from serve_app.replica_state import GateFigures, ReplicaState
 
 logger = logging.getLogger("ray.serve")
 
@@ -89,7 +90,8 @@ class ReplicaView:
                               self._policy)
 
     async def predicted_wait_s(self, units: int | None, ahead_units: int = 0,
-                               generates: bool = False) -> float | None:
+                               generates: bool = False,
+                               tenant: str = DEFAULT_TENANT) -> float | None:
         """The shortest wait a request of ``units`` should get on any replica before it
         starts (:func:`serve_app.admission.drain.predicted_wait_s` of each replica's
         published gate, plus its published margin), ``None`` while no replica has a measured
@@ -97,18 +99,16 @@ class ReplicaView:
         for a replica (in Ray Serve's handle queue), which will queue ahead of it.
         ``generates``: a completion, which on a replica with continuous batching joins the
         running batch once its own bytes are free; anything else runs after the work leased
-        before it. Published figures are up to a publish period old, so this is a first
-        check: the replica decides again on its own figures."""
+        before it. ``tenant``: whose request it is; what is queued ahead of it is its share
+        of each replica's backlog (:func:`serve_app.admission.fair.share_ahead` of the
+        published tenants), not every tenant's. Published figures are up to a publish period
+        old, so this is a first check: the replica decides again on its own figures."""
         if units is None:
             return None
         states = await self.states()
         ahead = ahead_units / max(1, len(states))  # the router spreads them over the replicas
-        waits = [(predicted_wait_s(
-            s.gate.queued_bytes + ahead + units - s.gate.free_bytes,
-            s.gate.busy_drain_bytes_per_s, s.gate.thread_wait_s,
-            None if generates and s.kv_cache is not None
-            else s.gate.reserved_bytes + s.gate.queued_bytes + ahead),
-                  s.gate.wait_margin_s) for s in states]
+        waits = [(_predicted_wait_s(s, _ahead_of(s.gate, tenant, ahead + units), units,
+                                    generates), s.gate.wait_margin_s) for s in states]
         known = [wait + margin for wait, margin in waits if wait is not None]
         return min(known) if known and len(known) == len(waits) else None
 
@@ -130,3 +130,27 @@ class ReplicaView:
         queued = sum(s.gate.queued_bytes for s in states)
         rate = sum(s.gate.drain_bytes_per_s or 0.0 for s in states)
         return wait_s(queued, rate, fallback_s=self._fallback_s)
+
+
+def _ahead_of(gate: GateFigures, tenant: str, units: float) -> float:
+    """Bytes queued on a replica ahead of ``units`` of ``tenant``, and ``units``, in its fair
+    order (:func:`share_ahead` of its published tenants' queued bytes and weights; all it
+    queues, from a replica that publishes no tenants)."""
+    if not gate.tenants:
+        return gate.queued_bytes + units
+    queued = {t: int(f["queued_bytes"]) for t, f in gate.tenants.items()}
+    weights = {t: float(f["weight"]) for t, f in gate.tenants.items()}
+    own = queued.get(tenant, 0) + units
+    return own + share_ahead(weights, tenant, round(own), queued) - round(own)
+
+
+def _predicted_wait_s(state: ReplicaState, through: float, units: int,
+                      generates: bool) -> float | None:
+    """:func:`predicted_wait_s` on a replica of a request of ``units`` with ``through``
+    bytes queued before it and its own (:func:`_ahead_of`): it runs after the work leased
+    and queued before it, unless it is a completion that joins a running batch."""
+    gate = state.gate
+    in_flight = None if generates and state.kv_cache is not None \
+        else gate.reserved_bytes + through - units
+    return predicted_wait_s(through - gate.free_bytes, gate.busy_drain_bytes_per_s,
+                            gate.thread_wait_s, in_flight)

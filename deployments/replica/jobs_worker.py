@@ -150,7 +150,7 @@ class JobWorker:
         replica = self._replica
         units = replica.policy.units(shape_bytes(replica.cost_model, stored.request.shape))
         try:
-            lease = gate.spare_lease(units, job.id)
+            lease = gate.spare_lease(units, job.id, stored.request.tenant)
         except ServeAppError as exc:
             return await self._refuse(job, json.dumps(exc.to_body()), exc.status_code)
         if lease is None:

@@ -237,12 +237,14 @@ class RequestLifecycle:
             shape = request.shape
             request_bytes = shape_bytes(self._pricer.cost_model, shape)
             self._log.event("arrived", request_bytes, batch=shape.inputs,
-                            prompt_tokens=shape.prompt_tokens, new_tokens=shape.new_tokens)
+                            prompt_tokens=shape.prompt_tokens, new_tokens=shape.new_tokens,
+                            tenant=request.tenant)
             sent_at_s = request.sent_at_s
             waited_s = 0.0 if sent_at_s is None else max(0.0, time.time() - sent_at_s)
             admission = await self._gate.acquire(
                 self._pricer.policy.units(request_bytes), waited_s, request.wait_limit_s,
-                on_queued, after_in_flight=not self._joins_running_work(request))
+                on_queued, after_in_flight=not self._joins_running_work(request),
+                tenant=request.tenant)
             # Kept with the lease: a batch runs outside this request's logging context.
             return replace(admission, request_id=self._request_id() or "")
         except ServeAppError as exc:

@@ -90,7 +90,8 @@ class Replica:
         self.gate = AdmissionController(
             self.policy.capacity_units, adm.max_queue_len, adm.max_queue_wait_s,
             thread_wait_s=self.thread_wait_s, refuse_predicted=adm.refuse_predicted_waits,
-            prior_drain_bytes_per_s=prior_drain_bytes_per_s if bytes_priced else None)
+            prior_drain_bytes_per_s=prior_drain_bytes_per_s if bytes_priced else None,
+            weights=args.auth.weights(), fair_queue=adm.queue == "fair")
         self.health = DeviceHealth(engine, probe, self.gate, self.policy, self.cost_model,
                                    adm, metrics)
         self.log = RequestLog(identity.replica_id, probe)
@@ -172,7 +173,7 @@ class Replica:
             released_bytes_total=budget.released_bytes_total,
             drain_bytes_per_s=queue.drain.bytes_per_s(), thread_wait_s=self.thread_wait_s(),
             busy_drain_bytes_per_s=queue.drain.busy_bytes_per_s(),
-            wait_margin_s=queue.calibration.margin_s())
+            wait_margin_s=queue.calibration.margin_s(), tenants=self.gate.tenant_figures())
         identity, args = self.identity, self.args
         return ReplicaState(
             replica_id=identity.replica_id, node_id=identity.node_id, gpu_ids=identity.gpu_ids,

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from serve_app.admission.budget import Lease, MemoryBudget
 from serve_app.admission.drain import DrainRateEstimator
+from serve_app.admission.fair import DEFAULT_TENANT, FairShare
 from serve_app.admission.queue import AdmissionQueue, Decision, Outcome, Reason, Waiter
 from serve_app.client_wait import NO_WAIT_BELOW_S
 from serve_app.errors import OverloadedError, RequestTooLargeError
@@ -47,7 +48,8 @@ admission (``None``: no drain rate measured), when it is queued and whenever it 
 
 
 class AdmissionController:
-    """Leases bytes of a replica's budget to requests, in FIFO order, with bounded waits.
+    """Leases bytes of a replica's budget to requests, in fair order among tenants (FIFO
+    within one), with bounded waits.
 
     Args:
         budget_bytes: the replica's byte budget (> 0).
@@ -60,6 +62,9 @@ class AdmissionController:
         refuse_predicted: see :class:`AdmissionQueue`.
         prior_drain_bytes_per_s: the drain rate predictions use before one is measured
             (:class:`~serve_app.admission.drain.DrainRateEstimator`).
+        weights: the tenants' weights (``auth.tenants``; one not named weighs 1).
+        fair_queue: order waiters fairly among tenants (``admission.queue: fair``), or by
+            arrival alone (``fifo``: every waiter queues as the default tenant).
 
     Must be used from one event loop (the replica's).
     """
@@ -68,8 +73,9 @@ class AdmissionController:
                  clock: Callable[[], float] = time.monotonic, drain_window_s: float = 10.0,
                  thread_wait_s: Callable[[], float] = lambda: 0.0,
                  refuse_predicted: bool = True,
-                 prior_drain_bytes_per_s: float | None = None):
-        self._clock = clock
+                 prior_drain_bytes_per_s: float | None = None,
+                 weights: Mapping[str, float] | None = None, fair_queue: bool = True):
+        self._clock, self._fair_queue = clock, fair_queue
         self._futures: dict[int, asyncio.Future[Lease]] = {}
         self._watchers: dict[int, tuple[OnQueued, list[int]]] = {}
         self.queue = AdmissionQueue(
@@ -77,7 +83,7 @@ class AdmissionController:
             drain=DrainRateEstimator(drain_window_s, clock, prior_drain_bytes_per_s),
             on_admit=self._wake,
             on_change=self._moved, thread_wait_s=thread_wait_s,
-            refuse_predicted=refuse_predicted)
+            refuse_predicted=refuse_predicted, fair=FairShare(weights, clock))
 
     @property
     def budget(self) -> MemoryBudget:
@@ -86,13 +92,15 @@ class AdmissionController:
     async def acquire(self, nbytes: int, waited_s: float = 0.0,
                       wait_limit_s: float | None = None,
                       on_queued: OnQueued | None = None,
-                      after_in_flight: bool = False) -> Admission:
+                      after_in_flight: bool = False,
+                      tenant: str = DEFAULT_TENANT) -> Admission:
         """Wait for a lease of ``nbytes``. ``waited_s``: seconds the request already waited
         before it got here (see :meth:`AdmissionQueue.submit`); it shortens the wait allowed
         and counts in the admission's ``queue_wait_s``. ``wait_limit_s``: the client's own
         limit on its wait, if it gave one. ``on_queued``: told the request's position while
         it waits (:data:`OnQueued`). ``after_in_flight``: it runs after all the work admitted
-        before it (forward passes; :meth:`AdmissionQueue.predicted_wait_s`).
+        before it (forward passes; :meth:`AdmissionQueue.predicted_wait_s`). ``tenant``:
+        whose request it is (its place in the fair order).
 
         Raises:
             RequestTooLargeError: ``nbytes`` exceeds the whole measured budget (400, at once).
@@ -103,7 +111,8 @@ class AdmissionController:
             asyncio.CancelledError: the caller was cancelled; nothing stays reserved.
         """
         waited_s = max(0.0, waited_s)
-        decision = self.queue.submit(nbytes, waited_s, wait_limit_s, after_in_flight)
+        decision = self.queue.submit(nbytes, waited_s, wait_limit_s, after_in_flight,
+                                     tenant if self._fair_queue else DEFAULT_TENANT)
         if decision.outcome is Outcome.ADMITTED:
             return Admission(decision.lease, waited_s, 0,
                              predicted_wait_s=_after(waited_s, decision.predicted_wait_s))
@@ -163,7 +172,8 @@ class AdmissionController:
         queue = self.queue
         return queue.queue_depth == 0 and queue.thread_wait_s() < queue.max_queue_wait_s / 2
 
-    def spare_lease(self, nbytes: int, request_id: str = "") -> Admission | None:
+    def spare_lease(self, nbytes: int, request_id: str = "",
+                    tenant: str = DEFAULT_TENANT) -> Admission | None:
         """A durable job's lease of ``nbytes``, taken only if it is spare now
         (:meth:`has_spare_room`, and ``nbytes`` free in the budget); ``None`` otherwise: the
         job waits in its own queue, never in this one, and is never refused for memory.
@@ -176,8 +186,19 @@ class AdmissionController:
             raise RequestTooLargeError(
                 f"the job needs an estimated {nbytes} bytes of device memory, more than the "
                 f"replica's whole budget of {self.queue.max_budget_bytes} bytes")
-        lease = self.budget.try_reserve(nbytes) if self.has_spare_room() else None
+        lease = self.budget.try_reserve(nbytes, tenant) if self.has_spare_room() else None
         return None if lease is None else Admission(lease, 0.0, 0, request_id)
+
+    def tenant_figures(self) -> dict[str, dict[str, float]]:
+        """Each tenant's share of this replica now (``/v1/status``, and the ingress's fair
+        predictions): its weight, requests waiting and their bytes, bytes held, byte-seconds
+        served since start."""
+        fair, backlog = self.queue.fair, self.queue.backlog()
+        now = self._clock()
+        return {t: {"weight": fair.weight(t), "waiting": backlog.get(t, (0, 0))[0],
+                    "queued_bytes": backlog.get(t, (0, 0))[1], "held_bytes": fair.held_bytes(t),
+                    "served_byte_s": round(fair.served_byte_s(t, now), 3)}
+                for t in sorted({*fair.tenants(), *backlog, DEFAULT_TENANT})}
 
     def record_timeout(self, waited_s: float, predicted_wait_s: float | None) -> None:
         """A request predicted to wait ``predicted_wait_s`` gave up after ``waited_s``

@@ -130,15 +130,12 @@ class FairShare:
 
     def share_ahead(self, tenant: str, through_bytes: int,
                     queued_bytes: Mapping[str, int]) -> int:
-        """Bytes admitted before ``tenant``'s first ``through_bytes`` queued bytes are, if
-        the backlogged tenants drain in proportion to their weights (fluid fair queuing):
-        its own, and of every other tenant ``min(its queued bytes, through_bytes x its
-        weight / tenant's weight)``. With one tenant: the bytes queued through its own, as
-        FIFO gives."""
-        scale = through_bytes / self.weight(tenant)
-        return through_bytes + sum(min(queued, int(scale * self.weight(other)))
-                                   for other, queued in queued_bytes.items()
-                                   if other != tenant)
+        """:func:`share_ahead` under these weights."""
+        return share_ahead(self._weights, tenant, through_bytes, queued_bytes)
+
+    def tenants(self) -> set[str]:
+        """Every tenant that held a lease or was named a weight."""
+        return {*self._weights, *self._done, *(t for t, h in self._held.items() if h)}
 
     def waiters_ahead(self, tenant: str, through_bytes: int, own_ahead: int,
                       others: Mapping[str, Iterable[int]]) -> int:
@@ -155,3 +152,15 @@ class FairShare:
                     break
                 count += 1
         return count
+
+
+def share_ahead(weights: Mapping[str, float], tenant: str, through_bytes: int,
+                queued_bytes: Mapping[str, int]) -> int:
+    """Bytes admitted before ``tenant``'s first ``through_bytes`` queued bytes are, if the
+    backlogged tenants drain in proportion to their ``weights`` (fluid fair queuing; a tenant
+    not named weighs 1): its own, and of every other tenant ``min(its queued bytes,
+    through_bytes x its weight / tenant's weight)``. With one tenant: the bytes queued
+    through its own, as FIFO gives."""
+    scale = through_bytes / weights.get(tenant, 1.0)
+    return through_bytes + sum(min(queued, int(scale * weights.get(other, 1.0)))
+                               for other, queued in queued_bytes.items() if other != tenant)

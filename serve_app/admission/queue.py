@@ -165,8 +165,7 @@ class AdmissionQueue:
         ``min(max_queue_wait_s, wait_limit_s) - waited_s`` left: a queued request's deadline
         is that long after it arrived here, and one predicted to wait longer is refused now
         (``predicted_timeout``). ``after_in_flight``: it runs after all the work admitted
-        before it (see :meth:`predicted_wait_s`). ``tenant``: whose it is (its place in the
-        fair order, its lease's service).
+        before it (see :meth:`predicted_wait_s`). ``tenant``: whose it is (the fair order).
 
         Raises:
             ValueError: ``nbytes`` is negative.
@@ -264,9 +263,9 @@ class AdmissionQueue:
         measured yet. A request is refused when this plus the margin of recent errors
         (``calibration``, :mod:`serve_app.admission.calibration`) exceeds the time it has;
         its ``Retry-After`` is how much shorter the wait must get."""
-        in_flight = self.budget.reserved_bytes + self._queued_bytes if after_in_flight else None
         ahead = self.fair.share_ahead(tenant, self._tenant_bytes.get(tenant, 0) + nbytes,
                                       self._tenant_bytes)
+        in_flight = self.budget.reserved_bytes + ahead - nbytes if after_in_flight else None
         return predicted_wait_s(ahead - self.budget.free_bytes,
                                 self.drain.busy_bytes_per_s(), self.thread_wait_s(), in_flight)
 

@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from serve_app.admission.fair import DEFAULT_TENANT
 from serve_app.errors import ServeAppError
 from serve_app.memory.cost_model import Shape
 from serve_app.request import EmbeddingParams, GenerationParams, InferenceRequest, RequestParams
@@ -68,7 +69,7 @@ def encode_job(request: InferenceRequest, render: ResponseBody) -> bytes:
     return _dump({"request": {
         "kind": request.kind, "input_ids": [list(ids) for ids in request.input_ids],
         "shape": list(request.shape), "params": _params_dict(request.params),
-        "stream": request.stream,
+        "stream": request.stream, "tenant": request.tenant,
         "batch_key": None if request.batch_key is None else list(request.batch_key)},
         "render": render.to_dict()})
 
@@ -107,7 +108,8 @@ def _stored(fields: dict[str, Any]) -> StoredJob | StoredRefusal:
     request = InferenceRequest(
         stored["kind"], tuple(tuple(ids) for ids in stored["input_ids"]),
         Shape(*stored["shape"]), _params_of(stored["params"]), stream=stored["stream"],
-        batch_key=None if key is None else tuple(key))
+        batch_key=None if key is None else tuple(key),
+        tenant=stored.get("tenant", DEFAULT_TENANT))  # earlier records of format 2: none
     return StoredJob(request, response_body_from(fields["render"]))
 
 

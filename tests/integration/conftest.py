@@ -33,7 +33,9 @@ class DeployedApp:
         self.base_url, self.name, self.args = base_url, name, args
 
     def check_invariants(self) -> list[dict[str, Any]]:
-        replicas = settled_status(self.base_url)
+        key = self.args.get("auth", {}).get("api_key")
+        replicas = settled_status(self.base_url,
+                                  headers={"Authorization": f"Bearer {key}"} if key else None)
         assert_idle_invariants(replicas)
         return replicas
 

@@ -7,6 +7,7 @@ publishes one replica's state."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator
 
@@ -116,3 +117,36 @@ def test_under_a_route_prefix_the_refusal_and_the_probes_see_the_routes_path(ing
     assert refused.status_code == 503
     assert refused.json()["error"]["code"] == "predicted_timeout"
     assert prefixed.get("/api/healthz").status_code == 200  # a probe needs no key there either
+
+
+def test_a_tenant_is_refused_for_its_own_backlog_not_another_tenants() -> None:
+    """``heavy`` has 100 budgets of requests queued on the replica, which drains one budget a
+    second: its next request is refused before its body is read; ``light``'s goes the normal
+    way (its share of the backlog ahead of it is a request of ``heavy``'s size at most), and
+    both are told their tenant (``X-Tenant``)."""
+    args = parse_args({"model": {"task": "fake", "name": "fake"}, "auth": {"tenants": [
+        {"name": "heavy", "api_keys": ["kh"]}, {"name": "light", "api_keys": ["kl"]}]}})
+    registry, metrics = PublishedRegistry(), ProcessMetrics("Ingress", "test", use_ray=False)
+    ticks = iter(range(0, 10**9, 10))
+    replicas = ReplicaView(registry, BudgetPolicy, 10.0, model="fake",
+                           clock=lambda: float(next(ticks)))
+    state = published_state(thread_wait_s=0.0)
+    tenants = {"heavy": {"weight": 1.0, "waiting": 100, "queued_bytes": 100 * BUDGET,
+                         "held_bytes": BUDGET, "served_byte_s": 1.0},
+               "light": {"weight": 1.0, "waiting": 0, "queued_bytes": 0, "held_bytes": 0,
+                         "served_byte_s": 0.0}}
+    gate = dataclasses.replace(state.gate, reserved_bytes=BUDGET, free_bytes=0,
+                               queue_depth=100, queued_bytes=100 * BUDGET,
+                               drain_bytes_per_s=BUDGET, busy_drain_bytes_per_s=BUDGET,
+                               tenants=tenants)
+    registry.published = [dataclasses.replace(state, gate=gate)]
+    client = ModelClient(None, replicas, args.admission.max_queue_wait_s, metrics)
+    with TestClient(ingress_app(args, replicas, client=client, metrics=metrics)) as http:
+        def send(key: str):
+            return http.post("/v1/embeddings", content=NOT_JSON, headers={
+                "Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+
+        heavy, light = send("kh"), send("kl")
+    assert (heavy.status_code, heavy.json()["error"]["code"]) == (503, "predicted_timeout")
+    assert (light.status_code, light.json()["error"]["code"]) == (400, "invalid_json")
+    assert (heavy.headers["x-tenant"], light.headers["x-tenant"]) == ("heavy", "light")

@@ -119,7 +119,7 @@ class Parts:
     async def submit(self, path: str, fields: dict[str, Any]) -> str:
         """Submit as ``POST /v1/jobs`` does; the job's id."""
         response = await self.jobs.submit(path, self.body(path, fields),
-                                          SimpleNamespace(headers={}))
+                                          SimpleNamespace(headers={}, state=SimpleNamespace()))
         assert response.status_code == 202
         return json.loads(response.body)["id"]
 

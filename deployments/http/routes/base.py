@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
+from deployments.http.http_middleware import tenant_of
 from deployments.http.idempotency_guard import IdempotencyGuard
 from deployments.http.model_client import ModelClient
 from deployments.http.request_factory import RequestFactory
@@ -117,9 +118,15 @@ class Route:
         """Run ``body`` on a model replica now; the client's wait limit from its headers
         (:func:`serve_app.client_wait.client_wait_limit_s`)."""
         prepared = await self.prepare(body, request_id_of(request))
-        result = await self.context.client.infer(replace(
-            prepared.request, wait_limit_s=client_wait_limit_s(request.headers)))
+        result = await self.context.client.infer(from_client(prepared.request, request))
         return JSONResponse(prepared.render(result), headers=result.admitted.headers())
+
+
+def from_client(inference: InferenceRequest, request: Request) -> InferenceRequest:
+    """``inference`` with what the client's HTTP request says of it: how long it will wait
+    (:func:`serve_app.client_wait.client_wait_limit_s`) and its tenant (its key's)."""
+    return replace(inference, wait_limit_s=client_wait_limit_s(request.headers),
+                   tenant=tenant_of(request))
 
 
 def request_id_of(request: Request) -> str:

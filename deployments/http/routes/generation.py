@@ -7,7 +7,6 @@ and how its replies look (:class:`Reply`)."""
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -15,8 +14,8 @@ from fastapi.responses import Response, StreamingResponse
 
 from deployments.http.http_errors import as_serve_app_error
 from deployments.http.openapi import INFERENCE_ERRORS, INFERENCE_PARAMETERS, responses
-from deployments.http.routes.base import Prepared, Route, request_id_of
-from serve_app.client_wait import client_wait_limit_s, prefers_async
+from deployments.http.routes.base import Prepared, Route, from_client, request_id_of
+from serve_app.client_wait import prefers_async
 from serve_app.errors import InvalidRequestError, ServeAppError
 from serve_app.kinds import KINDS
 from serve_app.request import GenerationParams, InferenceRequest
@@ -107,7 +106,7 @@ class GenerationRoute(Route):
         params, reply = self._checked(body, request_id_of(request))
         inference = await self.build(body, params, True)
         return await self._stream(
-            replace(inference, wait_limit_s=client_wait_limit_s(request.headers)), body, reply)
+            from_client(inference, request), body, reply)
 
     async def prepare(self, body: GenerationFields, request_id: str) -> Prepared:
         params, reply = self._checked(body, request_id)

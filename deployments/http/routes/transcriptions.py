@@ -8,7 +8,6 @@ OpenAI answers: ``json`` -> ``{"text"}``, ``text`` -> the text as ``text/plain``
 import hashlib
 import json
 import math
-from dataclasses import replace
 from functools import partial
 from typing import Annotated, Any
 
@@ -17,8 +16,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, PrivateAttr
 
 from deployments.http.openapi import INFERENCE_ERRORS, INFERENCE_PARAMETERS, responses
-from deployments.http.routes.base import Prepared, Route
-from serve_app.client_wait import client_wait_limit_s, prefers_async
+from deployments.http.routes.base import Prepared, Route, from_client
+from serve_app.client_wait import prefers_async
 from serve_app.errors import InvalidRequestError
 from serve_app.kinds import KINDS
 from serve_app.request import TranscriptionOutput
@@ -132,8 +131,7 @@ class TranscriptionsRoute(Route):
 
     async def respond(self, body: TranscriptionForm, request: Request) -> JSONResponse:
         prepared = await self.prepare(body, "")
-        result = await self.context.client.infer(replace(
-            prepared.request, wait_limit_s=client_wait_limit_s(request.headers)))
+        result = await self.context.client.infer(from_client(prepared.request, request))
         return JSONResponse(prepared.render(result), headers=result.admitted.headers())
 
     async def prepare(self, body: TranscriptionForm, request_id: str) -> Prepared:

@@ -1,0 +1,95 @@
+"""Tenants on one budget over HTTP (fake engine, one replica holding two requests at once,
+0.25 s each): each key names its tenant (``X-Tenant``, ``/v1/status``); while one tenant
+floods the replica, another tenant's requests are admitted within about one request's time
+under ``admission.queue: fair``, and wait behind the whole flood under ``fifo``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+HEAVY, LIGHT, DEFAULT = "k-heavy", "k-light", "k-default"
+MiB = 1 << 20
+FLOOD = 40  # x 0.25 s, two at a time: 5 s of work
+
+
+def args(queue: str) -> dict:
+    return {"model": {"task": "fake", "name": "fake"},
+            "fake": {"latency_per_token_s": 0.0, "latency_per_pass_s": 0.25,
+                     "bytes_per_token": 0, "bytes_per_request": 100 * MiB},
+            "memory": {"budget_bytes": 200 * MiB},
+            "batching": {"enabled": False},
+            "limits": {"max_inputs": 2, "max_input_tokens": 32, "max_tokens": 8},
+            "admission": {"queue": queue, "max_queue_len": 128, "max_queue_wait_s": 60},
+            "auth": {"api_key": DEFAULT, "tenants": [
+                {"name": "heavy", "api_keys": [HEAVY]},
+                {"name": "light", "api_keys": [LIGHT], "weight": 1.0}]}}
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture(scope="module", params=["fair", "fifo"])
+def app(request, deploy):
+    deployed = deploy(args(request.param))
+    deployed.queue = request.param
+    return deployed
+
+
+def test_each_key_names_its_tenant(app) -> None:
+    if app.queue != "fair":
+        pytest.skip("the same for both orders")
+    with httpx.Client(base_url=app.base_url, timeout=60) as http:
+        tenants = [http.post("/v1/embeddings", json={"input": "a b"}, headers=bearer(key))
+                   .headers.get("x-tenant") for key in (HEAVY, LIGHT, DEFAULT)]
+        refused = http.post("/v1/embeddings", json={"input": "a"}, headers=bearer("nope"))
+    [replica] = app.check_invariants()  # published after the requests
+    assert tenants == ["heavy", "light", "default"]
+    assert (refused.status_code, refused.headers.get("x-tenant")) == (401, None)
+    assert {t: f["weight"] for t, f in replica["tenants"].items()} == \
+        {"default": 1.0, "heavy": 1.0, "light": 1.0}
+    assert all(replica["tenants"][t]["served_byte_s"] > 0 for t in ("heavy", "light"))
+
+
+async def _flood_then_light(base_url: str) -> tuple[list[float], list[float | None]]:
+    """``FLOOD`` concurrent requests of ``heavy``; once most of them wait, four of
+    ``light``, one after another: each side's queue waits, seconds (``None``: refused with
+    503 ``predicted_timeout``, the wait predicted for it longer than it may wait)."""
+    async with httpx.AsyncClient(base_url=base_url, timeout=120,
+                                 limits=httpx.Limits(max_connections=None)) as http:
+        async def one(key: str) -> float | None:
+            response = await http.post("/v1/embeddings", json={"input": "a b"},
+                                       headers=bearer(key))
+            if response.status_code == 503:
+                assert response.json()["error"]["code"] == "predicted_timeout"
+                return None
+            assert response.status_code == 200, response.text
+            return int(response.headers["x-queue-wait-ms"]) / 1000
+
+        flood = [asyncio.ensure_future(one(HEAVY)) for _ in range(FLOOD)]
+        deadline = time.monotonic() + 30
+        while (await http.get("/v1/status", headers=bearer(LIGHT))).json()[
+                "replicas"][0]["queue_depth"] < FLOOD // 2:
+            assert time.monotonic() < deadline, "the flood never queued"
+            await asyncio.sleep(0.05)
+        light = [await one(LIGHT) for _ in range(4)]
+        heavy = [wait for wait in await asyncio.gather(*flood) if wait is not None]
+        return heavy, light
+
+
+def test_a_light_tenant_is_not_stuck_behind_a_flood(app, client) -> None:
+    heavy, light = asyncio.run(_flood_then_light(app.base_url))
+    heavy_p50 = sorted(heavy)[len(heavy) // 2]
+    assert heavy_p50 > 1.0, heavy  # the flood did queue
+    if app.queue == "fair":
+        # admitted at the next free slot: one request's time (0.25 s), with room for the
+        # proxy and the ingress on 2 cores; never refused
+        assert None not in light and max(light) < 1.0, (light, heavy_p50)
+    else:
+        # behind the flood's backlog: refused (predicted to wait it all), or it waited at
+        # least half of its 5 s
+        assert light[0] is None or light[0] > 2.0, (light, heavy_p50)
