@@ -12,7 +12,7 @@ import os
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from serve_app.admission.fair import DEFAULT_TENANT
+from serve_app.admission.fair import DEFAULT_TENANT, TenantQuota
 
 
 class TenantConfig(BaseModel):
@@ -31,11 +31,18 @@ class TenantConfig(BaseModel):
     weight: float = Field(
         1.0, gt=0, allow_inf_nan=False, description="Its share of each replica's device "
         "memory-time against the other backlogged tenants (byte-seconds per unit of weight).")
+    max_share: float = Field(
+        1.0, gt=0, le=1, description="Quota: the largest share of each replica's budget its "
+        "requests may hold and wait for at once; more is refused with 429 `tenant_quota`.")
+    max_waiting: int | None = Field(
+        None, ge=0, description="Quota: the most of its requests that may wait on each "
+        "replica; more is refused with 429 `tenant_quota`. Unset: no bound but the queue's.")
 
     def resolved_keys(self) -> tuple[str, ...]:
-        """``api_keys`` and those of ``api_key_env``, empty ones left out."""
+        """``api_keys`` and those of ``api_key_env``, stripped, empty ones left out."""
         from_env = os.environ.get(self.api_key_env, "") if self.api_key_env else ""
-        return tuple(k for k in (*self.api_keys, *from_env.split(",")) if k.strip())
+        keys = (k.strip() for k in (*self.api_keys, *from_env.split(",")))
+        return tuple(k for k in keys if k)
 
 
 class AuthConfig(BaseModel):
@@ -76,6 +83,11 @@ class AuthConfig(BaseModel):
     def weights(self) -> dict[str, float]:
         """Each tenant's weight (the default tenant weighs 1)."""
         return {t.name: t.weight for t in self.tenants}
+
+    def quotas(self) -> dict[str, TenantQuota]:
+        """Each tenant's quota, where it has one."""
+        return {t.name: TenantQuota(t.max_share, t.max_waiting) for t in self.tenants
+                if t.max_share < 1.0 or t.max_waiting is not None}
 
     @model_validator(mode="after")
     def _check_tenants(self) -> AuthConfig:

@@ -143,6 +143,17 @@ class OverloadedError(ServeAppError):
         self.retry_after_s = max(1, self.retry_after_s)
 
 
+class TenantQuotaError(OverloadedError):
+    """429 ``tenant_quota``: the request's tenant holds or waits for its whole quota
+    (``auth.tenants[].max_share`` / ``max_waiting``) while the service may have room for
+    others (the Gateway API inference extension's doctrine: 429 for a client over its share,
+    503 for a service without capacity). Transient, always with a wait, as its base."""
+
+    status_code = 429
+    type = "rate_limit_error"
+    default_code = "tenant_quota"
+
+
 class InferenceTimeoutError(ServeAppError):
     """504 ``inference_timeout``: inference ran longer than ``admission.inference_timeout_s``."""
 

@@ -44,6 +44,7 @@ class Reason(enum.StrEnum):
     OOM = "oom"  # fits the measured budget, not the budget shrunk after an OOM
     DRAINING = "draining"  # the replica had a device fault and is being replaced
     NO_REPLICAS = "no_replicas"  # refused at the ingress: no model replica to send it to
+    TENANT_QUOTA = "tenant_quota"  # its tenant's quota is in use (429, not 503)
 
 
 class AdmitReason(enum.StrEnum):

@@ -12,12 +12,14 @@ ERROR_MEANINGS = {
     404: "Unknown model, or one that does not serve this route (`model_not_found`).",
     413: "Body larger than `limits.max_body_bytes` (`body_too_large`).",
     422: "Idempotency-Key reused with a different body (`idempotency_key_reused`).",
+    429: "The request's tenant holds or waits for its whole quota (`tenant_quota`: "
+         "`auth.tenants[].max_share` / `max_waiting`); retry after `Retry-After` seconds.",
     503: "Transient capacity refusal (`queue_full`, `queue_timeout`, `predicted_timeout`, "
          "`oom`, `no_replicas`, `draining`, `jobs_full`, `jobs_unavailable`); retry after "
          "`Retry-After` seconds (`retry-after-ms`: the same wait in milliseconds).",
     504: "Inference ran longer than `admission.inference_timeout_s` (`inference_timeout`).",
 }
-INFERENCE_ERRORS = (400, 401, 404, 413, 422, 503, 504)
+INFERENCE_ERRORS = (400, 401, 404, 413, 422, 429, 503, 504)
 
 
 def _header(description: str, schema: dict[str, Any]) -> dict[str, Any]:

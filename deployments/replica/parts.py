@@ -91,7 +91,8 @@ class Replica:
             self.policy.capacity_units, adm.max_queue_len, adm.max_queue_wait_s,
             thread_wait_s=self.thread_wait_s, refuse_predicted=adm.refuse_predicted_waits,
             prior_drain_bytes_per_s=prior_drain_bytes_per_s if bytes_priced else None,
-            weights=args.auth.weights(), fair_queue=adm.queue == "fair")
+            weights=args.auth.weights(), fair_queue=adm.queue == "fair",
+            quotas=args.auth.quotas())
         self.health = DeviceHealth(engine, probe, self.gate, self.policy, self.cost_model,
                                    adm, metrics)
         self.log = RequestLog(identity.replica_id, probe)

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 from serve_app.admission.budget import Lease, MemoryBudget
 from serve_app.admission.drain import DrainRateEstimator
-from serve_app.admission.fair import DEFAULT_TENANT, FairShare
+from serve_app.admission.fair import DEFAULT_TENANT, FairShare, TenantQuota
 from serve_app.admission.queue import AdmissionQueue, Decision, Outcome, Reason, Waiter
 from serve_app.client_wait import NO_WAIT_BELOW_S
-from serve_app.errors import OverloadedError, RequestTooLargeError
+from serve_app.errors import OverloadedError, RequestTooLargeError, TenantQuotaError
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,7 @@ class AdmissionController:
         weights: the tenants' weights (``auth.tenants``; one not named weighs 1).
         fair_queue: order waiters fairly among tenants (``admission.queue: fair``), or by
             arrival alone (``fifo``: every waiter queues as the default tenant).
+        quotas: the tenants' quotas (429 ``tenant_quota`` beyond; ``fair_queue`` only).
 
     Must be used from one event loop (the replica's).
     """
@@ -74,7 +75,8 @@ class AdmissionController:
                  thread_wait_s: Callable[[], float] = lambda: 0.0,
                  refuse_predicted: bool = True,
                  prior_drain_bytes_per_s: float | None = None,
-                 weights: Mapping[str, float] | None = None, fair_queue: bool = True):
+                 weights: Mapping[str, float] | None = None, fair_queue: bool = True,
+                 quotas: Mapping[str, TenantQuota] | None = None):
         self._clock, self._fair_queue = clock, fair_queue
         self._futures: dict[int, asyncio.Future[Lease]] = {}
         self._watchers: dict[int, tuple[OnQueued, list[int]]] = {}
@@ -83,7 +85,7 @@ class AdmissionController:
             drain=DrainRateEstimator(drain_window_s, clock, prior_drain_bytes_per_s),
             on_admit=self._wake,
             on_change=self._moved, thread_wait_s=thread_wait_s,
-            refuse_predicted=refuse_predicted, fair=FairShare(weights, clock))
+            refuse_predicted=refuse_predicted, fair=FairShare(weights, clock, quotas))
 
     @property
     def budget(self) -> MemoryBudget:
@@ -292,6 +294,8 @@ def _refusal(decision: Decision, budget_bytes: int, time_left_s: float,
         return RequestTooLargeError(
             f"the request needs an estimated {nbytes} bytes of device memory, more than the "
             f"replica's whole budget of {budget_bytes} bytes; send fewer or shorter inputs")
+    if reason is Reason.TENANT_QUOTA:
+        return TenantQuotaError(decision.detail, retry_after_s=retry_after_s)
     if reason is Reason.OOM:
         return OverloadedError(
             "the replica's memory budget shrank after an out-of-memory error and cannot hold "

@@ -29,11 +29,21 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
+from typing import NamedTuple
 
 DEFAULT_TENANT = "default"
 """The tenant of every request when no tenants are configured, and of ``auth.api_key``."""
 HOLD_SMOOTHING = 0.1
 """Weight of the newest hold in :attr:`FairShare.hold_s` (about the last 10 holds)."""
+
+
+class TenantQuota(NamedTuple):
+    """What one tenant may have on a replica at once (``auth.tenants[].max_*``)."""
+
+    max_share: float = 1.0
+    """Of the budget, held and waited for."""
+    max_waiting: int | None = None
+    """Requests waiting."""
 
 
 class FairShare:
@@ -42,14 +52,16 @@ class FairShare:
     Args:
         weights: each tenant's weight (> 0); a tenant not named weighs 1.
         clock: monotonic seconds.
+        quotas: the tenants that have one (:meth:`over_quota`).
 
     Raises:
         ValueError: a weight that is not > 0.
     """
 
     def __init__(self, weights: Mapping[str, float] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self._weights = dict(weights or {})
+                 clock: Callable[[], float] = time.monotonic,
+                 quotas: Mapping[str, TenantQuota] | None = None) -> None:
+        self._weights, self._quotas = dict(weights or {}), dict(quotas or {})
         if any(w <= 0 for w in self._weights.values()):
             raise ValueError(f"tenant weights must be > 0, got {self._weights}")
         self._clock = clock
@@ -127,6 +139,27 @@ class FairShare:
         """
         now = self._clock()
         return min(backlogged, key=lambda t: self.counter(t, now))
+
+    def over_quota(self, tenant: str, nbytes: int, queued: tuple[int, int],
+                   budget_bytes: int) -> tuple[str, int] | None:
+        """Why a request of ``tenant`` of ``nbytes`` is over its quota, with ``queued`` its
+        requests and bytes waiting now, on a budget of ``budget_bytes``, and the bytes of
+        the tenant that must drain before it is not; ``None`` when it is not (or has no
+        quota)."""
+        quota = self._quotas.get(tenant)
+        if quota is None:
+            return None
+        waiting, queued_bytes = queued
+        if quota.max_waiting is not None and waiting >= quota.max_waiting:
+            return (f"tenant {tenant!r} has {waiting} requests waiting, its most "
+                    "(auth.tenants[].max_waiting)", queued_bytes)
+        share_bytes = int(quota.max_share * budget_bytes)
+        used = self.held_bytes(tenant) + queued_bytes
+        if used + nbytes > share_bytes:
+            return (f"tenant {tenant!r} holds or waits for {used} bytes of its {share_bytes} "
+                    f"({quota.max_share:g} of the budget: auth.tenants[].max_share); this "
+                    f"request needs {nbytes} more", used + nbytes - share_bytes)
+        return None
 
     def share_ahead(self, tenant: str, through_bytes: int,
                     queued_bytes: Mapping[str, int]) -> int:

@@ -33,6 +33,7 @@ from dataclasses import KW_ONLY, dataclass, field
 
 from serve_app.admission.budget import Lease, MemoryBudget
 from serve_app.admission.calibration import WaitCalibration
+from serve_app.admission.decision import Decision, Waiter
 from serve_app.admission.drain import (
     MAX_RETRY_AFTER_S,
     MIN_WAIT_S,
@@ -41,44 +42,6 @@ from serve_app.admission.drain import (
 )
 from serve_app.admission.fair import DEFAULT_TENANT, FairShare
 from serve_app.outcomes import Outcome, Reason
-
-
-@dataclass(eq=False, kw_only=True)
-class Waiter:
-    """A request waiting for its lease. ``lease`` is set when it is admitted."""
-
-    waiter_id: int
-    nbytes: int
-    enqueued_at: float
-    deadline: float
-    position: int
-    predicted_wait_s: float | None = None
-    lease: Lease | None = None
-    expired: bool = False
-    evicted: bool = False
-    tenant: str = DEFAULT_TENANT
-
-
-@dataclass(frozen=True)
-class Decision:
-    """The answer to :meth:`AdmissionQueue.submit`.
-
-    Exactly one of ``lease`` (admitted), ``waiter`` (queued) or ``reason`` (rejected) is set.
-    ``retry_after_s`` (seconds, with its fraction) is set for retryable rejections.
-    ``predicted_wait_s``: the wait predicted at arrival, ``None`` when none could be;
-    ``margin_s``: the calibration margin added to it when it was refused by prediction.
-    """
-
-    outcome: Outcome
-    nbytes: int
-    _: KW_ONLY
-    lease: Lease | None = None
-    waiter: Waiter | None = None
-    reason: Reason | None = None
-    retry_after_s: float | None = None
-    queue_position: int = 0
-    predicted_wait_s: float | None = None
-    margin_s: float = 0.0
 
 
 @dataclass
@@ -172,12 +135,9 @@ class AdmissionQueue:
         """
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        if nbytes > self.max_budget_bytes:
-            return Decision(Outcome.REJECTED, nbytes, reason=Reason.REQUEST_TOO_LARGE)
-        if not self.budget.fits_ever(nbytes):
-            return Decision(Outcome.REJECTED, nbytes, reason=Reason.OOM,
-                            retry_after_s=self._retry_after_s(nbytes))
-        self.expire()
+        refused = self._refused_whatever_the_wait(nbytes, tenant)
+        if refused is not None:
+            return refused
         if wait_limit_s == 0:
             return self._at_once_or_refused(nbytes, after_in_flight, tenant)
         left_s = self.time_left_s(waited_s, wait_limit_s)
@@ -204,6 +164,22 @@ class AdmissionQueue:
         self._enqueue(waiter)
         return Decision(Outcome.QUEUED, nbytes, waiter=waiter, queue_position=waiter.position,
                         predicted_wait_s=predicted_s)
+
+    def _refused_whatever_the_wait(self, nbytes: int, tenant: str) -> Decision | None:
+        """The refusal of a request too large for the budget, for the budget shrunk after an
+        OOM, or over its tenant's quota; ``None`` when it may wait."""
+        if nbytes > self.max_budget_bytes:
+            return Decision(Outcome.REJECTED, nbytes, reason=Reason.REQUEST_TOO_LARGE)
+        if not self.budget.fits_ever(nbytes):
+            return Decision(Outcome.REJECTED, nbytes, reason=Reason.OOM,
+                            retry_after_s=self._retry_after_s(nbytes))
+        self.expire()
+        over = self.fair.over_quota(tenant, nbytes, self.backlog().get(tenant, (0, 0)),
+                                    self.max_budget_bytes)
+        if over is None:
+            return None
+        return Decision(Outcome.REJECTED, nbytes, reason=Reason.TENANT_QUOTA,
+                        retry_after_s=self._retry_after_s(over[1]), detail=over[0])
 
     def _refusal_by_prediction(self, nbytes: int, predicted_s: float, left_s: float,
                                position: int) -> Decision | None:

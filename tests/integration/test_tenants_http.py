@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import httpx
+import openai
 import pytest
 
-HEAVY, LIGHT, DEFAULT = "k-heavy", "k-light", "k-default"
+HEAVY, LIGHT, DEFAULT, CAPPED = "k-heavy", "k-light", "k-default", "k-capped"
 MiB = 1 << 20
 FLOOD = 40  # x 0.25 s, two at a time: 5 s of work
 
@@ -26,7 +28,8 @@ def args(queue: str) -> dict:
             "admission": {"queue": queue, "max_queue_len": 128, "max_queue_wait_s": 60},
             "auth": {"api_key": DEFAULT, "tenants": [
                 {"name": "heavy", "api_keys": [HEAVY]},
-                {"name": "light", "api_keys": [LIGHT], "weight": 1.0}]}}
+                {"name": "light", "api_keys": [LIGHT], "weight": 1.0},
+                {"name": "capped", "api_keys": [CAPPED], "max_share": 0.5}]}}
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -51,7 +54,7 @@ def test_each_key_names_its_tenant(app) -> None:
     assert tenants == ["heavy", "light", "default"]
     assert (refused.status_code, refused.headers.get("x-tenant")) == (401, None)
     assert {t: f["weight"] for t, f in replica["tenants"].items()} == \
-        {"default": 1.0, "heavy": 1.0, "light": 1.0}
+        {"default": 1.0, "heavy": 1.0, "light": 1.0, "capped": 1.0}
     assert all(replica["tenants"][t]["served_byte_s"] > 0 for t in ("heavy", "light"))
 
 
@@ -93,3 +96,29 @@ def test_a_light_tenant_is_not_stuck_behind_a_flood(app, client) -> None:
         # behind the flood's backlog: refused (predicted to wait it all), or it waited at
         # least half of its 5 s
         assert light[0] is None or light[0] > 2.0, (light, heavy_p50)
+
+
+async def _capped_twice_and_light(base_url: str) -> list[Any]:
+    """Two requests of ``capped`` (half the budget: one request) and one of ``light`` at
+    once, through the official client (no retries)."""
+    def client(key: str) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=key, max_retries=0)
+
+    capped, light = client(CAPPED), client(LIGHT)
+    calls = [capped.embeddings.create(model="fake", input="a b") for _ in range(2)]
+    calls.append(light.embeddings.create(model="fake", input="a b"))
+    return await asyncio.gather(*calls, return_exceptions=True)
+
+
+def test_a_tenant_over_its_quota_gets_429_while_another_is_served(app) -> None:
+    if app.queue != "fair":
+        pytest.skip("quotas are kept by the fair queue")
+    first, second, light = asyncio.run(_capped_twice_and_light(app.base_url))
+    refused = [r for r in (first, second) if isinstance(r, Exception)]
+    assert len(refused) == 1, (first, second)
+    [error] = refused
+    assert isinstance(error, openai.RateLimitError)
+    assert error.response.json()["error"]["code"] == "tenant_quota"
+    assert int(error.response.headers["retry-after"]) >= 1
+    assert error.response.headers["x-tenant"] == "capped"
+    assert not isinstance(light, Exception) and len(light.data[0].embedding) == 384

@@ -106,3 +106,34 @@ def test_every_section_field_is_documented() -> None:
     for section in AppArgs.model_fields.values():
         for name, field in section.annotation.model_fields.items():
             assert field.description, f"{section.annotation.__name__}.{name} has no description"
+
+
+@pytest.mark.parametrize(("auth", "problem"), [
+    ({"tenants": [{"name": "a", "api_keys": ["k"]}, {"name": "b", "api_keys": ["k"]}]},
+     "args.auth: a key of tenant 'a' is also one of 'b': each key names one tenant"),
+    ({"api_key": "k", "tenants": [{"name": "b", "api_keys": ["k"]}]},
+     "args.auth: a key of tenant 'default' is also one of 'b': each key names one tenant"),
+    ({"tenants": [{"name": "a"}, {"name": "a"}]},
+     "args.auth: tenants: names must be unique, got ['a', 'a']"),
+    ({"api_key": "k", "tenants": [{"name": "default", "api_keys": ["j"]}]},
+     "args.auth: tenants: 'default' is auth.api_key's tenant; name the tenant otherwise or "
+     "move the key into its api_keys"),
+    ({"tenants": [{"name": "a", "weight": 0}]},
+     "args.auth.tenants.0.weight: Input should be greater than 0"),
+    ({"tenants": [{"name": "a b"}]},
+     "args.auth.tenants.0.name: String should match pattern"),
+])
+def test_tenants_that_cannot_be_told_apart_are_refused(auth, problem) -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse_args({"auth": auth})
+    assert problem in str(raised.value)
+
+
+def test_a_tenants_keys_come_from_the_config_and_its_environment_variable(monkeypatch) -> None:
+    monkeypatch.setenv("ETL_KEYS", "e1, e2")
+    auth = parse_args({"auth": {"api_key": "d", "tenants": [
+        {"name": "etl", "api_keys": ["e0"], "api_key_env": "ETL_KEYS", "weight": 2,
+         "max_share": 0.5}]}}).auth
+    assert auth.tenant_keys() == {"d": "default", "e0": "etl", "e1": "etl", "e2": "etl"}
+    assert auth.weights() == {"etl": 2.0}
+    assert auth.quotas() == {"etl": (0.5, None)}

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from serve_app.admission.budget import Lease, MemoryBudget
-from serve_app.admission.fair import FairShare
-from serve_app.admission.queue import AdmissionQueue, Outcome
+from serve_app.admission.fair import FairShare, TenantQuota
+from serve_app.admission.queue import AdmissionQueue, Outcome, Reason
 from tests.unit.conftest import FakeClock
 
 BUDGET = 1000
@@ -162,3 +162,25 @@ def test_random_cancellations_leave_nothing_leased_or_queued(seed, steps) -> Non
     assert (budget.reserved_bytes, budget.active_leases, sim.queue.queue_depth) == (0, 0, 0)
     assert sim.queue.backlog() == {} and sim.queue.queued_bytes == 0
     assert all(sim.fair.held_bytes(t) == 0 for t in "abc")
+
+
+def test_a_tenant_over_its_quota_is_refused_while_another_is_admitted() -> None:
+    """``capped`` may hold or wait for half the budget and have one request waiting: past
+    either, 429 ``tenant_quota`` with a wait; ``other`` is admitted meanwhile."""
+    clock = FakeClock()
+    fair = FairShare(clock=clock, quotas={"capped": TenantQuota(max_share=0.5, max_waiting=1)})
+    queue = AdmissionQueue(MemoryBudget(BUDGET), 100, 60.0, clock=clock, fair=fair)
+    held = queue.submit(400, tenant="capped")
+    assert held.outcome is Outcome.ADMITTED
+    over_share = queue.submit(200, tenant="capped")  # 400 + 200 > 500
+    assert (over_share.outcome, over_share.reason) == (Outcome.REJECTED, Reason.TENANT_QUOTA)
+    assert "holds or waits for 400 bytes of its 500" in over_share.detail
+    assert over_share.retry_after_s is not None and over_share.retry_after_s > 0
+    assert queue.submit(700, tenant="other").outcome is Outcome.QUEUED  # 400 + 700 > 1000
+    assert queue.submit(100, tenant="capped").outcome is Outcome.QUEUED  # 500 of its 500
+    over_waiting = queue.submit(1, tenant="capped")
+    assert (over_waiting.reason, over_waiting.detail) == (
+        Reason.TENANT_QUOTA, "tenant 'capped' has 1 requests waiting, its most "
+        "(auth.tenants[].max_waiting)")
+    queue.release(held.lease)
+    assert (queue.budget.reserved_bytes, queue.queue_depth) == (800, 0)  # both waiters in

@@ -40,7 +40,8 @@ def _documented_values(metric: str) -> set[str]:
 def test_the_label_texts_are_those_dashboards_and_alerts_read() -> None:
     assert [str(o) for o in Outcome] == ["admitted", "queued", "rejected", "cancelled"]
     assert [str(r) for r in Reason] == ["request_too_large", "queue_full", "queue_timeout",
-                                        "predicted_timeout", "oom", "draining", "no_replicas"]
+                                        "predicted_timeout", "oom", "draining", "no_replicas",
+                                        "tenant_quota"]
     assert [str(r) for r in AdmitReason] == ["at_once", "queued"]
     assert [str(r) for r in CancelReason] == ["client_gone"]
     assert [str(o) for o in JobOutcome] == ["succeeded", "failed", "cancelled", "requeued"]
