@@ -109,6 +109,18 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("histogram", "queue_wait_seconds",
                "Wait for a lease and the inference thread, of admitted requests.",
                buckets=SECONDS_BUCKETS),
+    MetricSpec("histogram", "tenant_queue_wait_seconds",
+               "queue_wait_seconds by tenant (auth.tenants; its key's).", ("tenant",),
+               SECONDS_BUCKETS),
+    MetricSpec("gauge", "tenant_held_bytes", "Bytes a tenant's admitted requests lease now.",
+               ("tenant",)),
+    MetricSpec("gauge", "tenant_queue_depth", "A tenant's requests waiting for a lease.",
+               ("tenant",)),
+    MetricSpec("counter", "tenant_served_byte_seconds",
+               "Device memory-time a tenant's leases held: bytes x seconds (its fair share's "
+               "measure).", ("tenant",)),
+    MetricSpec("counter", "tenant_refusals", "A tenant's requests refused by the replica, by "
+               "code (tenant_quota, queue_full, predicted_timeout, ...).", ("tenant", "reason")),
     MetricSpec("histogram", "queue_wait_prediction_error_seconds",
                "How far the wait before starting was from the wait predicted at arrival, of "
                "admitted requests with a prediction; side: longer (waited more than "

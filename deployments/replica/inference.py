@@ -187,6 +187,8 @@ class InferenceThread:
         self._metrics.inc("admission_decisions", outcome=Outcome.ADMITTED,
                           reason=AdmitReason.of(ticket.admission.queue_position))
         self._metrics.observe("queue_wait_seconds", ticket.queue_wait_s)
+        self._metrics.observe("tenant_queue_wait_seconds", ticket.queue_wait_s,
+                              tenant=ticket.request.tenant)
         predicted_s = ticket.admission.predicted_wait_s
         if predicted_s is not None:
             error_s = ticket.queue_wait_s - predicted_s

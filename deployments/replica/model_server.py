@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -102,6 +102,7 @@ class ModelServer:
             executor, metrics, identity,
             request_id=lambda: serve.context._get_serve_request_context().request_id,
             prior_drain_bytes_per_s=measured.profile.drain_bytes_per_s)
+        self._served_byte_s: dict[str, float] = {}  # per tenant, as last counted
         self._publisher = loop.create_task(publish_forever(
             registry, replica_id, metrics, self._refresh)) if registry else None
         # In the background: the replica serves (and scales) without waiting for Redis.
@@ -172,7 +173,20 @@ class ModelServer:
         for name, key in KV_CACHE_GAUGES.items():
             if status["kv_cache"] is not None:
                 replica.metrics.set(name, status["kv_cache"][key])
+        self._record_tenants(state.gate.tenants)
         return state
+
+    def _record_tenants(self, tenants: Mapping[str, Mapping[str, float]]) -> None:
+        """The tenants' series (names from the config and their keys: a bounded set)."""
+        metrics, served = self._replica.metrics, self._served_byte_s
+        for tenant, figures in tenants.items():
+            metrics.set("tenant_held_bytes", figures["held_bytes"], tenant=tenant)
+            metrics.set("tenant_queue_depth", figures["waiting"], tenant=tenant)
+            total = figures["served_byte_s"]
+            if total > served.get(tenant, 0.0):
+                metrics.inc("tenant_served_byte_seconds", total - served.get(tenant, 0.0),
+                            tenant=tenant)
+                served[tenant] = total
 
     def __del__(self) -> None:
         if getattr(self, "_publisher", None) is not None:

@@ -6,6 +6,7 @@ under ``admission.queue: fair``, and wait behind the whole flood under ``fifo``.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from typing import Any
 
@@ -51,6 +52,11 @@ def test_each_key_names_its_tenant(app) -> None:
                    .headers.get("x-tenant") for key in (HEAVY, LIGHT, DEFAULT)]
         refused = http.post("/v1/embeddings", json={"input": "a"}, headers=bearer("nope"))
     [replica] = app.check_invariants()  # published after the requests
+    exposition = httpx.get(f"{app.base_url}/metrics", headers=bearer(LIGHT), timeout=30).text
+    served = {tenant: float(value) for tenant, value in re.findall(
+        r'vramgate_tenant_served_byte_seconds_total\{[^}]*tenant="(\w+)"[^}]*\} (\S+)',
+        exposition)}
+    assert served.keys() >= {"heavy", "light", "default"} and min(served.values()) > 0
     assert tenants == ["heavy", "light", "default"]
     assert (refused.status_code, refused.headers.get("x-tenant")) == (401, None)
     assert {t: f["weight"] for t, f in replica["tenants"].items()} == \

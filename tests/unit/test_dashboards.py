@@ -317,6 +317,8 @@ def test_doc_metric_table_lists_exactly_the_specs() -> None:
         assert meaning.startswith(spec.description), name
         if spec.name.endswith("_bytes"):
             assert unit == "bytes", name
+        elif spec.name.endswith("_byte_seconds"):  # bytes held x seconds held
+            assert unit == "byte-seconds", name
         elif spec.name.endswith("_seconds"):
             assert unit == "seconds", name
         else:

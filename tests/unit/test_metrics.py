@@ -7,7 +7,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from serve_app.metrics import COMMON_LABELS, PREFIX, SPECS, ProcessMetrics, merge_expositions
 
-ALLOWED_LABELS = {"outcome", "reason", "route", "status", "side"}
+ALLOWED_LABELS = {"outcome", "reason", "route", "status", "side",
+                  "tenant"}  # configured tenants only: a request's tenant is its key's
 UNITS = ("_bytes", "_seconds", "_depth", "_factor", "_over_estimated", "_sequences", "_blocks",
          "_jobs")
 
