@@ -250,7 +250,7 @@ class RequestLifecycle:
         except ServeAppError as exc:
             self._metrics.inc("admission_decisions", outcome=Outcome.REJECTED,
                               reason=Reason(exc.code))
-            self._metrics.inc("tenant_refusals", tenant=request.tenant, reason=exc.code)
+            self._metrics.inc("tenant_refusals", tenant=request.tenant, reason=Reason(exc.code))
             raise
         except asyncio.CancelledError:
             self._thread.client_gone(shape_bytes(self._pricer.cost_model, request.shape))
