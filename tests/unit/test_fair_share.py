@@ -62,6 +62,12 @@ class Simulation:
         self.queue.release(lease)
         self.keep_backlogged()
 
+    def advance(self, steps: int) -> dict[str, float]:
+        """``steps`` lease ends; the tenants' byte-seconds served since start then."""
+        for _ in range(steps):
+            self.step()
+        return self.served()
+
     def served(self) -> dict[str, float]:
         return {t: self.fair.served_byte_s(t) for t in self.weights}
 
@@ -81,9 +87,7 @@ def test_two_backlogged_tenants_get_byte_seconds_within_the_bound(w1, w2, seed, 
     weights = {"a": float(w1), "b": float(w2)}
     sim = Simulation(weights, sizes, holds, seed)
     sim.backlogged = {"a", "b"}
-    for _ in range(20):
-        sim.step()
-    start = sim.served()
+    start = sim.advance(20)
     for _ in range(200):
         sim.step()
         now = sim.served()
@@ -97,12 +101,8 @@ def test_two_backlogged_tenants_get_byte_seconds_within_the_bound(w1, w2, seed, 
 def test_weights_three_to_one_split_byte_seconds_three_to_one() -> None:
     sim = Simulation({"a": 3.0, "b": 1.0}, (50, 150), (0.5, 1.5), seed=7)
     sim.backlogged = {"a", "b"}
-    for _ in range(50):
-        sim.step()
-    start = sim.served()
-    for _ in range(2000):
-        sim.step()
-    end = sim.served()
+    start = sim.advance(50)
+    end = sim.advance(2000)
     ratio = (end["a"] - start["a"]) / (end["b"] - start["b"])
     assert ratio == pytest.approx(3.0, rel=0.10)
 
