@@ -25,8 +25,9 @@ MAX_TOKENS = (8, 128)
 
 @dataclass(frozen=True, kw_only=True)
 class Done:
-    """One request's end: HTTP status (0: the client's deadline passed first), seconds,
-    seconds to the first token, completion tokens, the error code, a ``Retry-After``."""
+    """One request's end: HTTP status (0: the client's deadline passed first; -1: the
+    connection failed, the server dropped or refused it), seconds, seconds to the first
+    token, completion tokens, the error code, a ``Retry-After``."""
 
     status: int
     seconds: float
@@ -56,6 +57,9 @@ async def post(http: httpx.AsyncClient, body: dict, deadline_s: float = 600) -> 
     except TimeoutError:
         return Done(status=0, seconds=time.monotonic() - started, ttft_s=deadline_s,
                     code="client_timeout")
+    except httpx.TransportError as exc:  # a server under overload may drop connections
+        elapsed = time.monotonic() - started
+        return Done(status=-1, seconds=elapsed, ttft_s=elapsed, code=type(exc).__name__)
 
 
 async def _post(http: httpx.AsyncClient, body: dict, started: float) -> Done:
@@ -142,10 +146,11 @@ def overload_figures(dones: list[Done], seconds: float, deadline_s: float) -> di
     """Goodput (completions within their deadline, per second of the run), what was refused
     and how, and the served requests' p99."""
     good = [d for d in dones if d.status == 200 and d.seconds <= deadline_s]
-    refused = [d for d in dones if d.status not in (0, 200)]
+    refused = [d for d in dones if d.status not in (-1, 0, 200)]
     return {"sent": len(dones), "served": sum(d.status == 200 for d in dones),
             "goodput_per_s": len(good) / seconds,
             "refused": len(refused),
             "refused_with_retry_after": sum(d.status == 503 and d.retry_after for d in refused),
             "client_timeouts": sum(d.status == 0 for d in dones),
+            "connection_errors": sum(d.status == -1 for d in dones),
             "served_p99_s": percentile([d.seconds for d in dones if d.status == 200], 0.99)}

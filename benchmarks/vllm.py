@@ -219,14 +219,16 @@ def closed_table(closed: dict[str, list]) -> list[str]:
 
 def overload_table(overload: dict[str, list], deadline_s: float) -> list[str]:
     lines = [f"| target | offered req/s | sent | served | goodput/s (<= {deadline_s:g} s) | "
-             "refused (503 + Retry-After) | client timeouts | served p99 s | preempted |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "refused (503 + Retry-After) | client timeouts | connection errors | served p99 s "
+             "| preempted |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, rows in overload.items():
         for row in rows:
             lines.append(
                 f"| {name} | {row['rate_per_s']:.2f} | {row['sent']} | {row['served']} | "
                 f"{row['goodput_per_s']:.2f} | {row['refused']} "
                 f"({row['refused_with_retry_after']}) | {row['client_timeouts']} | "
+                f"{row['connection_errors']} | "
                 f"{row['served_p99_s']:.2f} | {row['preempted']} |")
     return lines
 
