@@ -13,6 +13,7 @@ import os
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from serve_app.admission.fair import DEFAULT_TENANT, TenantQuota
+from serve_app.admission.priority import Priority
 
 
 class TenantConfig(BaseModel):
@@ -37,6 +38,10 @@ class TenantConfig(BaseModel):
     max_waiting: int | None = Field(
         None, ge=0, description="Quota: the most of its requests that may wait on each "
         "replica; more is refused with 429 `tenant_quota`. Unset: no bound but the queue's.")
+    priority: Priority | None = Field(
+        None, description="Its requests' priority class when they name none (`Prefer: "
+        "priority=...`): `interactive` (admitted first) or `batch` (admitted only while no "
+        "interactive request waits). Unset: `interactive`, and `batch` for durable jobs.")
 
     def resolved_keys(self) -> tuple[str, ...]:
         """``api_keys`` and those of ``api_key_env``, stripped, empty ones left out."""
@@ -88,6 +93,10 @@ class AuthConfig(BaseModel):
         """Each tenant's quota, where it has one."""
         return {t.name: TenantQuota(t.max_share, t.max_waiting) for t in self.tenants
                 if t.max_share < 1.0 or t.max_waiting is not None}
+
+    def priorities(self) -> dict[str, Priority]:
+        """Each tenant's configured priority class, where it has one."""
+        return {t.name: t.priority for t in self.tenants if t.priority is not None}
 
     @model_validator(mode="after")
     def _check_tenants(self) -> AuthConfig:

@@ -1,9 +1,11 @@
-"""How long a client will wait, from its request headers.
+"""How long a client will wait, and at what priority, from its request headers.
 
 Two headers say it: ``Prefer: wait=N`` (RFC 7240, section 4.3: the client prefers a response
 within N seconds) and ``X-Stainless-Read-Timeout``, which the official OpenAI SDKs send with
 every request (their read timeout in seconds, e.g. ``2.0`` for ``OpenAI(timeout=2)``; see
-``openai/_base_client.py``, ``_build_headers``). Pure: no Ray, FastAPI or torch.
+``openai/_base_client.py``, ``_build_headers``). ``Prefer: priority=batch`` (or
+``interactive``) names the request's priority class (:mod:`serve_app.admission.priority`).
+Pure: no Ray, FastAPI or torch.
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from serve_app.admission.priority import Priority
+
 PREFER_WAIT = "wait"
+PREFER_PRIORITY = "priority"
 RESPOND_ASYNC = "respond-async"
 NO_WAIT_BELOW_S = 0.1
 """A limit shorter than this leaves no time to wait at all, and is read as 0 (the request
@@ -58,3 +63,11 @@ def _seconds(text: str | None) -> float | None:
     except ValueError:
         return None
     return value if value is not None and math.isfinite(value) and value >= 0 else None
+
+
+def client_priority(headers: Mapping[str, str]) -> Priority | None:
+    """The priority class the client asked for (``Prefer: priority=batch|interactive``,
+    case-insensitive); ``None`` when it named none or an unknown one (ignored, as RFC 7240
+    asks of preferences it does not support)."""
+    value = preferences(headers).get(PREFER_PRIORITY, "").lower()
+    return Priority(value) if value in {p.value for p in Priority} else None

@@ -16,6 +16,7 @@ from dataclasses import KW_ONLY, dataclass, replace
 import numpy as np
 
 from serve_app.admission.fair import DEFAULT_TENANT
+from serve_app.admission.priority import Priority
 from serve_app.memory.cost_model import Shape
 
 
@@ -114,6 +115,8 @@ class InferenceRequest:
             ``0``: it will not wait (:attr:`no_wait`).
         tenant: whose request it is (its key's tenant: ``auth.tenants``), for the fair
             order of the admission queue and the request log.
+        priority: its priority class in the admission queue
+            (:mod:`serve_app.admission.priority`).
     """
 
     kind: str
@@ -127,6 +130,7 @@ class InferenceRequest:
     sent_at_s: float | None = None
     wait_limit_s: float | None = None
     tenant: str = DEFAULT_TENANT
+    priority: Priority = Priority.INTERACTIVE
 
     @property
     def no_wait(self) -> bool:

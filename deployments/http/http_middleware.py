@@ -14,6 +14,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deployments.http.http_errors import error_response
 from serve_app.admission.fair import DEFAULT_TENANT
+from serve_app.admission.priority import Priority
+from serve_app.client_wait import client_priority
 from serve_app.errors import AuthenticationError, BodyTooLargeError
 from serve_app.metrics import ProcessMetrics
 
@@ -190,17 +192,21 @@ class BearerAuth:
 
 class TenantMiddleware:
     """Names each HTTP request's tenant from its key (:meth:`BearerAuth.tenant`) in
-    ``request.state.tenant``, for the routes, the request log and the metrics, and answers
+    ``request.state.tenant`` (and the tenant's configured priority class in
+    ``request.state.priority``), for the routes, the request log and the metrics, and answers
     it in the ``X-Tenant`` response header. A request whose key is missing or unknown has
     none (the key check refuses it with 401).
 
     Args:
         app: the ASGI app behind.
         auth: the app's key check.
+        priorities: the tenants' configured priority classes
+            (:meth:`serve_app.auth_config.AuthConfig.priorities`).
     """
 
-    def __init__(self, app: ASGIApp, auth: BearerAuth) -> None:
-        self._app, self._auth = app, auth
+    def __init__(self, app: ASGIApp, auth: BearerAuth,
+                 priorities: Mapping[str, Priority] | None = None) -> None:
+        self._app, self._auth, self._priorities = app, auth, dict(priorities or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         tenant = None
@@ -211,7 +217,10 @@ class TenantMiddleware:
         if tenant is None:
             await self._app(scope, receive, send)
             return
-        scope.setdefault("state", {})["tenant"] = tenant
+        state = scope.setdefault("state", {})
+        state["tenant"] = tenant
+        if tenant in self._priorities:
+            state["priority"] = self._priorities[tenant]
 
         async def send_with_tenant(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -225,3 +234,10 @@ class TenantMiddleware:
 def tenant_of(request: Request) -> str:
     """The request's tenant (:class:`TenantMiddleware`), the default one if none."""
     return getattr(request.state, "tenant", DEFAULT_TENANT)
+
+
+def priority_of(request: Request, default: Priority = Priority.INTERACTIVE) -> Priority:
+    """The request's priority class: the client's ``Prefer: priority=...``
+    (:func:`serve_app.client_wait.client_priority`), else its tenant's configured one
+    (:class:`TenantMiddleware`), else ``default`` (``batch`` for durable jobs)."""
+    return client_priority(request.headers) or getattr(request.state, "priority", default)

@@ -125,7 +125,8 @@ class Ingress:
         app.add_middleware(EarlyRefusalMiddleware, models=self._models, auth=auth)
         # Before any part that needs the models open: the probes alone pass before.
         app.add_middleware(OpeningGate, opening=self._opening)
-        app.add_middleware(TenantMiddleware, auth=auth)
+        app.add_middleware(TenantMiddleware, auth=auth,
+                           priorities=args.auth.priorities())
         app.add_middleware(HttpMetricsMiddleware, metrics=self._metrics)
         app.add_middleware(HeadMiddleware)  # outermost: the others see a GET
         install_error_handlers(app)

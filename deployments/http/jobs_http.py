@@ -25,11 +25,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from deployments.http.http_middleware import tenant_of
+from deployments.http.http_middleware import priority_of, tenant_of
 from deployments.http.idempotency_guard import checked_key
 from deployments.http.openapi import responses
 from deployments.http.replica_view import ReplicaView
 from deployments.http.routes.base import Route
+from serve_app.admission.priority import Priority
 from serve_app.errors import (
     InternalError,
     InvalidRequestError,
@@ -88,7 +89,8 @@ class JobsFront:
         key = request.headers.get("idempotency-key")
         job, created = await self._store.submit(
             path, body.model_dump_json(exclude_unset=True),
-            encode_job(dataclasses.replace(prepared.request, tenant=tenant_of(request)),
+            encode_job(dataclasses.replace(prepared.request, tenant=tenant_of(request),
+                                           priority=priority_of(request, Priority.BATCH)),
                        prepared.render),
             units or 0, checked_key(key),
             job_id)

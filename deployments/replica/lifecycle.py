@@ -244,7 +244,7 @@ class RequestLifecycle:
             admission = await self._gate.acquire(
                 self._pricer.policy.units(request_bytes), waited_s, request.wait_limit_s,
                 on_queued, after_in_flight=not self._joins_running_work(request),
-                tenant=request.tenant)
+                tenant=request.tenant, priority=request.priority)
             # Kept with the lease: a batch runs outside this request's logging context.
             return replace(admission, request_id=self._request_id() or "")
         except ServeAppError as exc:

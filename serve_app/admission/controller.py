@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from serve_app.admission.budget import Lease, MemoryBudget
 from serve_app.admission.drain import DrainRateEstimator
 from serve_app.admission.fair import DEFAULT_TENANT, FairShare, TenantQuota
+from serve_app.admission.priority import Priority
 from serve_app.admission.queue import AdmissionQueue, Decision, Outcome, Reason, Waiter
 from serve_app.client_wait import NO_WAIT_BELOW_S
 from serve_app.errors import OverloadedError, RequestTooLargeError, TenantQuotaError
@@ -95,14 +96,16 @@ class AdmissionController:
                       wait_limit_s: float | None = None,
                       on_queued: OnQueued | None = None,
                       after_in_flight: bool = False,
-                      tenant: str = DEFAULT_TENANT) -> Admission:
+                      tenant: str = DEFAULT_TENANT,
+                      priority: Priority = Priority.INTERACTIVE) -> Admission:
         """Wait for a lease of ``nbytes``. ``waited_s``: seconds the request already waited
         before it got here (see :meth:`AdmissionQueue.submit`); it shortens the wait allowed
         and counts in the admission's ``queue_wait_s``. ``wait_limit_s``: the client's own
         limit on its wait, if it gave one. ``on_queued``: told the request's position while
         it waits (:data:`OnQueued`). ``after_in_flight``: it runs after all the work admitted
         before it (forward passes; :meth:`AdmissionQueue.predicted_wait_s`). ``tenant``:
-        whose request it is (its place in the fair order).
+        whose request it is (its place in the fair order). ``priority``: its class (a batch
+        request waits while any interactive one waits; :mod:`serve_app.admission.priority`).
 
         Raises:
             RequestTooLargeError: ``nbytes`` exceeds the whole measured budget (400, at once).
@@ -114,7 +117,7 @@ class AdmissionController:
         """
         waited_s = max(0.0, waited_s)
         decision = self.queue.submit(nbytes, waited_s, wait_limit_s, after_in_flight,
-                                     tenant if self._fair_queue else DEFAULT_TENANT)
+                                     tenant if self._fair_queue else DEFAULT_TENANT, priority)
         if decision.outcome is Outcome.ADMITTED:
             return Admission(decision.lease, waited_s, 0,
                              predicted_wait_s=_after(waited_s, decision.predicted_wait_s))

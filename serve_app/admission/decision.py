@@ -7,6 +7,7 @@ from dataclasses import KW_ONLY, dataclass
 
 from serve_app.admission.budget import Lease
 from serve_app.admission.fair import DEFAULT_TENANT
+from serve_app.admission.priority import Priority
 from serve_app.outcomes import Outcome, Reason
 
 
@@ -24,6 +25,7 @@ class Waiter:
     expired: bool = False
     evicted: bool = False
     tenant: str = DEFAULT_TENANT
+    priority: Priority = Priority.INTERACTIVE
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,8 @@ from serve_app.admission.drain import (
     predicted_wait_s,
 )
 from serve_app.admission.fair import DEFAULT_TENANT, FairShare
+from serve_app.admission.lanes import TenantLanes
+from serve_app.admission.priority import PRIORITIES, Priority
 from serve_app.outcomes import Outcome, Reason
 
 
@@ -78,8 +80,8 @@ class AdmissionQueue:
     calibration: WaitCalibration = field(default_factory=WaitCalibration)
     fair: FairShare = None  # type: ignore[assignment]  # default: equal weights, ``clock``
     _waiters: OrderedDict[int, Waiter] = field(default_factory=OrderedDict, init=False)
-    _tenants: dict[str, OrderedDict[int, Waiter]] = field(default_factory=dict, init=False)
-    _tenant_bytes: dict[str, int] = field(default_factory=dict, init=False)
+    _classes: dict[Priority, TenantLanes] = field(
+        default_factory=lambda: {p: TenantLanes() for p in PRIORITIES}, init=False)
     _predicted_refusals: deque = field(default_factory=deque, init=False)
     _queued_bytes: int = field(default=0, init=False)
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1), init=False)
@@ -110,8 +112,21 @@ class AdmissionQueue:
         return self._queued_bytes
 
     def backlog(self) -> dict[str, tuple[int, int]]:
-        """Each backlogged tenant's waiters and queued bytes."""
-        return {t: (len(w), self._tenant_bytes[t]) for t, w in self._tenants.items()}
+        """Each backlogged tenant's waiters and queued bytes (every class)."""
+        found: dict[str, tuple[int, int]] = {}
+        for lanes in self._classes.values():
+            for tenant, lane in lanes.lanes.items():
+                count, nbytes = found.get(tenant, (0, 0))
+                found[tenant] = (count + len(lane), nbytes + lanes.bytes[tenant])
+        return found
+
+    def _before(self, priority: Priority, *, inclusive: bool = False) -> tuple[int, int]:
+        """Waiters and bytes of the classes admitted before ``priority`` (and of
+        ``priority`` itself when ``inclusive``)."""
+        count = nbytes = 0
+        for p in PRIORITIES[:PRIORITIES.index(priority) + inclusive]:
+            count, nbytes = count + self._classes[p].count, nbytes + self._classes[p].total_bytes
+        return count, nbytes
 
     def waiters(self) -> list[Waiter]:
         """The waiters, in arrival order."""
@@ -119,7 +134,8 @@ class AdmissionQueue:
 
     def submit(self, nbytes: int, waited_s: float = 0.0,
                wait_limit_s: float | None = None, after_in_flight: bool = False,
-               tenant: str = DEFAULT_TENANT) -> Decision:
+               tenant: str = DEFAULT_TENANT,
+               priority: Priority = Priority.INTERACTIVE) -> Decision:
         """Admit ``nbytes`` now, queue it, or refuse it. Never blocks.
 
         ``waited_s``: how long the request already waited before reaching this queue (in
@@ -128,7 +144,9 @@ class AdmissionQueue:
         ``min(max_queue_wait_s, wait_limit_s) - waited_s`` left: a queued request's deadline
         is that long after it arrived here, and one predicted to wait longer is refused now
         (``predicted_timeout``). ``after_in_flight``: it runs after all the work admitted
-        before it (see :meth:`predicted_wait_s`). ``tenant``: whose it is (the fair order).
+        before it (see :meth:`predicted_wait_s`). ``tenant``: whose it is (the fair order);
+        ``priority``: its class (:mod:`serve_app.admission.priority`): it waits behind every
+        waiter of the classes before it, and bypasses those of the classes after it.
 
         Raises:
             ValueError: ``nbytes`` is negative.
@@ -139,15 +157,15 @@ class AdmissionQueue:
         if refused is not None:
             return refused
         if wait_limit_s == 0:
-            return self._at_once_or_refused(nbytes, after_in_flight, tenant)
+            return self._at_once_or_refused(nbytes, after_in_flight, tenant, priority)
         left_s = self.time_left_s(waited_s, wait_limit_s)
-        predicted_s = self.predicted_wait_s(nbytes, after_in_flight, tenant)
-        position = self._newcomer_position(tenant, nbytes)
+        predicted_s = self.predicted_wait_s(nbytes, after_in_flight, tenant, priority)
+        position = self._newcomer_position(tenant, nbytes, priority)
         if predicted_s is not None and (self.refuse_predicted or wait_limit_s is not None):
             refusal = self._refusal_by_prediction(nbytes, predicted_s, left_s, position)
             if refusal is not None:
                 return refusal
-        if not self._waiters:
+        if not self._before(priority, inclusive=True)[0]:
             lease = self.budget.try_reserve(nbytes, tenant)
             if lease is not None:
                 return Decision(Outcome.ADMITTED, nbytes, lease=lease,
@@ -160,7 +178,7 @@ class AdmissionQueue:
         now = self.clock()
         waiter = Waiter(waiter_id=next(self._ids), nbytes=nbytes, enqueued_at=now,
                         deadline=now + left_s, position=position,
-                        predicted_wait_s=predicted_s, tenant=tenant)
+                        predicted_wait_s=predicted_s, tenant=tenant, priority=priority)
         self._enqueue(waiter)
         return Decision(Outcome.QUEUED, nbytes, waiter=waiter, queue_position=waiter.position,
                         predicted_wait_s=predicted_s)
@@ -195,15 +213,16 @@ class AdmissionQueue:
                         queue_position=position, predicted_wait_s=predicted_s,
                         margin_s=margin_s)
 
-    def _at_once_or_refused(self, nbytes: int, after_in_flight: bool,
-                            tenant: str) -> Decision:
+    def _at_once_or_refused(self, nbytes: int, after_in_flight: bool, tenant: str,
+                            priority: Priority) -> Decision:
         """A request that will not wait (``wait_limit_s`` 0): its lease now if nothing is
         queued ahead of it, nothing it would run after is leased (``after_in_flight``) and
         it fits; else ``predicted_timeout`` at once, with the wait it would have had as
         ``Retry-After``."""
-        ahead = bool(self._waiters) or (after_in_flight and self.budget.reserved_bytes > 0)
+        ahead = self._before(priority, inclusive=True)[0] > 0 or (
+            after_in_flight and self.budget.reserved_bytes > 0)
         lease = None if ahead else self.budget.try_reserve(nbytes, tenant)
-        predicted_s = self.predicted_wait_s(nbytes, after_in_flight, tenant)
+        predicted_s = self.predicted_wait_s(nbytes, after_in_flight, tenant, priority)
         if lease is not None:
             return Decision(Outcome.ADMITTED, nbytes, lease=lease, predicted_wait_s=0.0)
         self._predicted_refusals.append(self.clock())
@@ -211,7 +230,7 @@ class AdmissionQueue:
             self._queued_bytes + nbytes - self.budget.free_bytes)
         return Decision(Outcome.REJECTED, nbytes, reason=Reason.PREDICTED_TIMEOUT,
                         retry_after_s=min(MAX_RETRY_AFTER_S, max(MIN_WAIT_S, wait_s)),
-                        queue_position=self._newcomer_position(tenant, nbytes),
+                        queue_position=self._newcomer_position(tenant, nbytes, priority),
                         predicted_wait_s=predicted_s)
 
     def refused_by_prediction(self, window_s: float) -> int:
@@ -230,17 +249,20 @@ class AdmissionQueue:
         return max(0.0, limit_s - max(0.0, waited_s))
 
     def predicted_wait_s(self, nbytes: int, after_in_flight: bool = False,
-                         tenant: str = DEFAULT_TENANT) -> float | None:
-        """Seconds a request of ``tenant`` of ``nbytes`` arriving now should wait before it
-        starts (:func:`serve_app.admission.drain.predicted_wait_s` of the bytes admitted ahead
-        of it in the fair order, :meth:`FairShare.share_ahead`,
+                         tenant: str = DEFAULT_TENANT,
+                         priority: Priority = Priority.INTERACTIVE) -> float | None:
+        """Seconds a request of ``tenant`` and ``priority`` of ``nbytes`` arriving now should
+        wait before it starts (:func:`serve_app.admission.drain.predicted_wait_s` of the bytes
+        admitted ahead of it: every waiter of the classes before its own, and in its class
+        those ahead of it in the fair order, :meth:`FairShare.share_ahead`,
         with, when ``after_in_flight`` (forward passes, run in order on the one thread), the
         bytes leased now as well, and of the thread's backlog); ``None`` when nothing is
         measured yet. A request is refused when this plus the margin of recent errors
         (``calibration``, :mod:`serve_app.admission.calibration`) exceeds the time it has;
         its ``Retry-After`` is how much shorter the wait must get."""
-        ahead = self.fair.share_ahead(tenant, self._tenant_bytes.get(tenant, 0) + nbytes,
-                                      self._tenant_bytes)
+        lanes = self._classes[priority]
+        ahead = self._before(priority)[1] + self.fair.share_ahead(
+            tenant, lanes.bytes.get(tenant, 0) + nbytes, lanes.bytes)
         in_flight = self.budget.reserved_bytes + ahead - nbytes if after_in_flight else None
         return predicted_wait_s(ahead - self.budget.free_bytes,
                                 self.drain.busy_bytes_per_s(), self.thread_wait_s(), in_flight)
@@ -251,25 +273,31 @@ class AdmissionQueue:
         free, over the drain rate; ``None`` while no rate is measured), by ``waiter_id``."""
         positions = {}
         free_bytes = self.budget.free_bytes
-        for tenant, waiters in self._tenants.items():
-            through = 0
-            for own_ahead, waiter in enumerate(waiters.values()):
-                through += waiter.nbytes
-                ahead = self.fair.share_ahead(tenant, through, self._tenant_bytes)
-                positions[waiter.waiter_id] = (self._position(tenant, through, own_ahead),
-                                               self.drain.drain_s(ahead - free_bytes))
+        for priority, lanes in self._classes.items():
+            count_before, bytes_before = self._before(priority)
+            for tenant, waiters in lanes.lanes.items():
+                through = 0
+                for own_ahead, waiter in enumerate(waiters.values()):
+                    through += waiter.nbytes
+                    ahead = bytes_before + self.fair.share_ahead(tenant, through, lanes.bytes)
+                    position = count_before + self._position(lanes, tenant, through, own_ahead)
+                    positions[waiter.waiter_id] = (position,
+                                                   self.drain.drain_s(ahead - free_bytes))
         return positions
 
-    def _position(self, tenant: str, through_bytes: int, own_ahead: int) -> int:
-        """:meth:`FairShare.waiters_ahead` in this queue."""
-        return self.fair.waiters_ahead(tenant, through_bytes, own_ahead, {
-            other: [w.nbytes for w in waiters.values()]
-            for other, waiters in self._tenants.items() if other != tenant})
+    def _position(self, lanes: TenantLanes, tenant: str, through_bytes: int,
+                  own_ahead: int) -> int:
+        """:meth:`FairShare.waiters_ahead` in one class of this queue."""
+        return self.fair.waiters_ahead(tenant, through_bytes, own_ahead,
+                                       lanes.sizes_of_others(tenant))
 
-    def _newcomer_position(self, tenant: str, nbytes: int) -> int:
-        """:meth:`_position` of a request of ``tenant`` of ``nbytes`` queued now."""
-        own = self._tenants.get(tenant, {})
-        return self._position(tenant, self._tenant_bytes.get(tenant, 0) + nbytes, len(own))
+    def _newcomer_position(self, tenant: str, nbytes: int, priority: Priority) -> int:
+        """Waiters ahead of a request of ``tenant`` and ``priority`` of ``nbytes`` queued
+        now: every waiter of the classes before it, and :meth:`_position` in its own."""
+        lanes = self._classes[priority]
+        own = len(lanes.lanes.get(tenant, ()))
+        return self._before(priority)[0] + self._position(
+            lanes, tenant, lanes.bytes.get(tenant, 0) + nbytes, own)
 
     def release(self, lease: Lease) -> list[Waiter]:
         """Release ``lease`` (idempotent) and return the waiters admitted as a result."""
@@ -326,12 +354,14 @@ class AdmissionQueue:
         return self._retry_after_s(self._queued_bytes + own - self.budget.free_bytes)
 
     def pump(self) -> list[Waiter]:
-        """Admit waiters while the next one fits: the head of the backlogged tenant with the
-        least service per weight (:meth:`FairShare.next_tenant`). Returns those admitted."""
+        """Admit waiters while the next one fits: in the first class with anyone waiting, the
+        head of the backlogged tenant with the least service per weight
+        (:meth:`FairShare.next_tenant`). Returns those admitted."""
         admitted = []
         while self._waiters:
-            tenant = self.fair.next_tenant(self._tenants)
-            head = next(iter(self._tenants[tenant].values()))
+            lanes = next(lanes for lanes in self._classes.values() if lanes)
+            tenant = self.fair.next_tenant(lanes.lanes)
+            head = lanes.head(tenant)
             lease = self.budget.try_reserve(head.nbytes, tenant)
             if lease is None:
                 break
@@ -345,27 +375,20 @@ class AdmissionQueue:
         return admitted
 
     def _enqueue(self, waiter: Waiter) -> None:
-        """``waiter`` at the tail of its tenant's queue; a tenant that was not backlogged
-        joins (:meth:`FairShare.joined`)."""
-        own = self._tenants.get(waiter.tenant)
-        if own is None:
-            self.fair.joined(waiter.tenant, self._tenants)
-            own = self._tenants[waiter.tenant] = OrderedDict()
-        own[waiter.waiter_id] = waiter
+        """``waiter`` at the tail of its tenant's queue in its class; a tenant that was not
+        backlogged in any class joins (:meth:`FairShare.joined`)."""
+        backlogged = {t for lanes in self._classes.values() for t in lanes.lanes}
+        if waiter.tenant not in backlogged:
+            self.fair.joined(waiter.tenant, backlogged)
+        self._classes[waiter.priority].add(waiter)
         self._waiters[waiter.waiter_id] = waiter
         self._queued_bytes += waiter.nbytes
-        self._tenant_bytes[waiter.tenant] = self._tenant_bytes.get(waiter.tenant, 0) \
-            + waiter.nbytes
 
     def _remove(self, waiter: Waiter) -> None:
         """``waiter`` out of the queue (admitted, withdrawn, expired or evicted)."""
         del self._waiters[waiter.waiter_id]
         self._queued_bytes -= waiter.nbytes
-        own = self._tenants[waiter.tenant]
-        del own[waiter.waiter_id]
-        self._tenant_bytes[waiter.tenant] -= waiter.nbytes
-        if not own:
-            del self._tenants[waiter.tenant], self._tenant_bytes[waiter.tenant]
+        self._classes[waiter.priority].remove(waiter)
 
     def _changed(self) -> None:
         if self.on_change is not None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from serve_app.admission.fair import DEFAULT_TENANT
+from serve_app.admission.priority import Priority
 from serve_app.errors import ServeAppError
 from serve_app.memory.cost_model import Shape
 from serve_app.request import EmbeddingParams, GenerationParams, InferenceRequest, RequestParams
@@ -69,7 +70,7 @@ def encode_job(request: InferenceRequest, render: ResponseBody) -> bytes:
     return _dump({"request": {
         "kind": request.kind, "input_ids": [list(ids) for ids in request.input_ids],
         "shape": list(request.shape), "params": _params_dict(request.params),
-        "stream": request.stream, "tenant": request.tenant,
+        "stream": request.stream, "tenant": request.tenant, "priority": request.priority,
         "batch_key": None if request.batch_key is None else list(request.batch_key)},
         "render": render.to_dict()})
 
@@ -109,7 +110,8 @@ def _stored(fields: dict[str, Any]) -> StoredJob | StoredRefusal:
         stored["kind"], tuple(tuple(ids) for ids in stored["input_ids"]),
         Shape(*stored["shape"]), _params_of(stored["params"]), stream=stored["stream"],
         batch_key=None if key is None else tuple(key),
-        tenant=stored.get("tenant", DEFAULT_TENANT))  # earlier records of format 2: none
+        tenant=stored.get("tenant", DEFAULT_TENANT),  # earlier records of format 2: none
+        priority=Priority(stored.get("priority", Priority.BATCH)))
     return StoredJob(request, response_body_from(fields["render"]))
 
 

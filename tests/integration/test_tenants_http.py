@@ -1,7 +1,8 @@
 """Tenants on one budget over HTTP (fake engine, one replica holding two requests at once,
 0.25 s each): each key names its tenant (``X-Tenant``, ``/v1/status``); while one tenant
 floods the replica, another tenant's requests are admitted within about one request's time
-under ``admission.queue: fair``, and wait behind the whole flood under ``fifo``."""
+under ``admission.queue: fair``, and wait behind the whole flood under ``fifo``; a flood of
+batch requests (``Prefer: priority=batch``) does not hold up interactive ones."""
 
 from __future__ import annotations
 
@@ -64,28 +65,32 @@ def test_each_key_names_its_tenant(app) -> None:
     assert all(replica["tenants"][t]["served_byte_s"] > 0 for t in ("heavy", "light"))
 
 
-async def _flood_then_light(base_url: str) -> tuple[list[float], list[float | None]]:
-    """``FLOOD`` concurrent requests of ``heavy``; once most of them wait, four of
-    ``light``, one after another: each side's queue waits, seconds (``None``: refused with
-    503 ``predicted_timeout``, the wait predicted for it longer than it may wait)."""
+async def _flood_then_light(base_url: str, flood_headers: dict[str, str] | None = None,
+                            light_headers: dict[str, str] | None = None,
+                            ) -> tuple[list[float], list[float | None]]:
+    """``FLOOD`` concurrent requests with ``flood_headers`` (``heavy``'s); once most of them
+    wait, four with ``light_headers``, one after another: each side's queue waits, seconds
+    (``None``: refused with 503 ``predicted_timeout``, the wait predicted for it longer than
+    it may wait)."""
+    flood_headers, light_headers = flood_headers or bearer(HEAVY), light_headers or bearer(LIGHT)
     async with httpx.AsyncClient(base_url=base_url, timeout=120,
                                  limits=httpx.Limits(max_connections=None)) as http:
-        async def one(key: str) -> float | None:
+        async def one(headers: dict[str, str]) -> float | None:
             response = await http.post("/v1/embeddings", json={"input": "a b"},
-                                       headers=bearer(key))
+                                       headers=headers)
             if response.status_code == 503:
                 assert response.json()["error"]["code"] == "predicted_timeout"
                 return None
             assert response.status_code == 200, response.text
             return int(response.headers["x-queue-wait-ms"]) / 1000
 
-        flood = [asyncio.ensure_future(one(HEAVY)) for _ in range(FLOOD)]
+        flood = [asyncio.ensure_future(one(flood_headers)) for _ in range(FLOOD)]
         deadline = time.monotonic() + 30
         while (await http.get("/v1/status", headers=bearer(LIGHT))).json()[
                 "replicas"][0]["queue_depth"] < FLOOD // 2:
             assert time.monotonic() < deadline, "the flood never queued"
             await asyncio.sleep(0.05)
-        light = [await one(LIGHT) for _ in range(4)]
+        light = [await one(light_headers) for _ in range(4)]
         heavy = [wait for wait in await asyncio.gather(*flood) if wait is not None]
         return heavy, light
 
@@ -102,6 +107,15 @@ def test_a_light_tenant_is_not_stuck_behind_a_flood(app, client) -> None:
         # behind the flood's backlog: refused (predicted to wait it all), or it waited at
         # least half of its 5 s
         assert light[0] is None or light[0] > 2.0, (light, heavy_p50)
+
+
+def test_interactive_requests_pass_a_flood_of_batch_ones_of_the_same_tenant(app) -> None:
+    """In either order: the classes come before the tenants."""
+    batch = {**bearer(HEAVY), "Prefer": "priority=batch"}
+    flood, interactive = asyncio.run(_flood_then_light(app.base_url, batch, bearer(HEAVY)))
+    assert sorted(flood)[len(flood) // 2] > 1.0, flood  # the flood did queue
+    # admitted at the next free slot (0.25 s), as a light tenant is under fair sharing
+    assert None not in interactive and max(interactive) < 1.0, (interactive, flood)
 
 
 async def _capped_twice_and_light(base_url: str) -> list[Any]:

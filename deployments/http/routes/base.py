@@ -9,7 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from deployments.http.http_middleware import tenant_of
+from deployments.http.http_middleware import priority_of, tenant_of
 from deployments.http.idempotency_guard import IdempotencyGuard
 from deployments.http.model_client import ModelClient
 from deployments.http.request_factory import RequestFactory
@@ -124,9 +124,10 @@ class Route:
 
 def from_client(inference: InferenceRequest, request: Request) -> InferenceRequest:
     """``inference`` with what the client's HTTP request says of it: how long it will wait
-    (:func:`serve_app.client_wait.client_wait_limit_s`) and its tenant (its key's)."""
+    (:func:`serve_app.client_wait.client_wait_limit_s`), its tenant (its key's) and its
+    priority class (:func:`deployments.http.http_middleware.priority_of`)."""
     return replace(inference, wait_limit_s=client_wait_limit_s(request.headers),
-                   tenant=tenant_of(request))
+                   tenant=tenant_of(request), priority=priority_of(request))
 
 
 def request_id_of(request: Request) -> str:
