@@ -13,6 +13,10 @@ difference between the two locates any wait beyond ``max_queue_wait_s``. That se
 left out when the budget's derived ``max_ongoing_requests`` is already
 :data:`UNBOUNDED_ONGOING` or more (it would be the same run).
 
+Then the tenants section (:mod:`benchmarks.tenants`, ``--engines tenants`` for it alone: a
+noisy neighbour under fair share and FIFO, weights 3:1, a batch flood beside interactive
+traffic, on the fake engine).
+
 Then, where vLLM is installed (or ``--engines vllm``), the vLLM section
 (:mod:`loadtest.vllm_section`: vramgate + vLLM against vLLM's own server, closed loop and
 overload, and the two KV lease modes).
@@ -35,6 +39,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from benchmarks import tenants
 from loadtest import vllm_section
 from loadtest.plots import comparison
 from loadtest.prices import slots_for
@@ -52,6 +57,8 @@ from loadtest.runner import (
 )
 from loadtest.scenarios import BASELINES, SHAPES, SPIKE_MULTIPLE, Baseline
 
+TENANTS, TENANTS_QUICK = (30.0, 500), (10.0, 100)
+"""The tenants section's seconds per run and durable jobs in its flood (full, ``--quick``)."""
 UNBOUNDED_ONGOING = 1000  # max_ongoing_requests of the diagnostic spike run: above any queue
 
 
@@ -149,13 +156,16 @@ def run_report(options: argparse.Namespace) -> None:
     try:
         for workload in wanted:
             sections.append(_run_workload(workload, base_url, results, out, quick))
+        tenants_figures = tenants.run(base_url, *(TENANTS_QUICK if quick else TENANTS)) \
+            if not options.engines or "tenants" in options.engines.split(",") else None
     finally:
         stop_serve()
     vllm = vllm_section.run_section(quick) if vllm_section.wanted(options.engines) else None
     elapsed_s = time.monotonic() - started
     report = {"machine": machine(), "quick": quick, "elapsed_s": round(elapsed_s),
               "command": " ".join(["python -m loadtest.run", *sys.argv[1:]]),
-              "results": str(results.relative_to(REPO)), "workloads": sections, "vllm": vllm}
+              "results": str(results.relative_to(REPO)), "workloads": sections, "vllm": vllm,
+              "tenants": tenants_figures}
     (out / "summary.json").write_text(json.dumps(report, indent=2, default=str))
     _write_csv(out / "summary.csv", [row for s in sections for row in s["rows"]])
     from loadtest.markdown import render

@@ -3,7 +3,7 @@
     python -m loadtest.run one --config loadtest/configs/fake_small_card.yaml \\
         --baseline budget --mix mixed --shape spike --base-users 12 --pace-rps 1 --seconds 60
     python -m loadtest.run report            # every baseline side by side -> BENCHMARKS.md
-    python -m loadtest.run report --quick    # a ~6-minute smoke run of the fake-engine part
+    python -m loadtest.run report --quick    # a ~9-minute smoke run of the fake-engine part
 
 How a run works and what it writes: :mod:`loadtest.runner`; the report: :mod:`loadtest.report`.
 """
@@ -79,10 +79,10 @@ def main(argv: list[str] | None = None) -> None:
     one.add_argument("--out", default="", help=f"results folder (default {RESULTS})")
     report = sub.add_parser("report", help="every baseline side by side -> BENCHMARKS.md")
     report.add_argument("--quick", action="store_true",
-                        help="a ~6-minute smoke run (fake engine, short runs)")
+                        help="a ~9-minute smoke run (fake engine, short runs)")
     report.add_argument("--engines", default="",
-                        help="comma-separated subset of the report's engines (fake, "
-                        "minilm, vllm; default: all, vllm where it is installed)")
+                        help="comma-separated subset of the report's sections (fake, "
+                        "minilm, tenants, vllm; default: all, vllm where it is installed)")
     report.add_argument("--out", default="", help="plots and tables (default docs/benchmarks, "
                         "or loadtest/results/quick with --quick)")
     report.add_argument("--markdown", default="", help="the report (default BENCHMARKS.md, "

@@ -146,9 +146,10 @@ def stop_serve() -> None:
     ray.shutdown()
 
 
-def deploy(args: dict[str, Any], base_url: str) -> list[dict[str, Any]]:
+def deploy(args: dict[str, Any], base_url: str,
+           headers: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Deploy ``args`` as the app at ``/`` and wait until it is ready; return the replicas'
-    statuses."""
+    statuses (read with ``headers``: a key, when ``args`` configure one)."""
     from ray import serve
 
     from serve_app.app import build_app
@@ -156,7 +157,7 @@ def deploy(args: dict[str, Any], base_url: str) -> list[dict[str, Any]]:
 
     serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=False)
     wait_until_ready(base_url, timeout_s=300)
-    return replica_statuses(base_url)
+    return replica_statuses(base_url, headers)
 
 
 def undeploy() -> None:
@@ -165,10 +166,12 @@ def undeploy() -> None:
     serve.delete(APP_NAME)
 
 
-def replica_statuses(base_url: str) -> list[dict[str, Any]]:
+def replica_statuses(base_url: str,
+                     headers: dict[str, str] | None = None) -> list[dict[str, Any]]:
     deadline = time.monotonic() + 30
     while True:
-        replicas = httpx.get(f"{base_url}/v1/status", timeout=10).json()["replicas"]
+        replicas = httpx.get(f"{base_url}/v1/status", headers=headers,
+                             timeout=10).json()["replicas"]
         if replicas or time.monotonic() > deadline:
             return replicas
         time.sleep(0.5)

@@ -1,0 +1,293 @@
+"""Tenants on one budget under load, on the fake engine: fair share against FIFO, weights,
+and a batch flood beside interactive traffic. Loopback only; every run stops by itself;
+prints three tables (the load-test report's tenants section).
+
+    python -m benchmarks.tenants [--seconds 30] [--jobs 500]
+
+One replica of the fake engine: every request leases ``REQUEST_MIB`` of a ``BUDGET_MIB``
+budget and runs in a forward pass of ``PASS_S`` that those admitted together share (dynamic
+batching: ``SLOTS`` at once, a capacity of ``CAPACITY_RPS``); it waits at most
+``MAX_WAIT_S``. Open-loop (Poisson) clients send one-input embeddings, each with its
+tenant's key, and read the replica's queue wait from ``X-Queue-Wait-Ms``.
+
+- **Noisy neighbour**: tenant B offers ``B_RPS`` (under its half of the capacity); tenant A
+  offers 10x that (``A_RPS``, over the whole capacity), equal weights. B alone, then A and
+  B under ``admission.queue: fair``, then under ``fifo``. The goal (fair): B's p99 wait
+  within 1.5x of its wait alone, and B never refused.
+- **Weights 3:1**: A (weight 3) and B (weight 1) both offer twice the capacity; the
+  byte-seconds each was served over the run (``/v1/status``), goal 3:1 within 10 %.
+- **Batch flood**: B's interactive load at ``INTERACTIVE_RPS`` (3/4 of the capacity) alone,
+  then beside ``--jobs`` durable jobs of A (batch class by default) submitted just before
+  it; the interactive p99 latency with the flood within 1.2x of it without, and how long
+  the jobs took to finish after the interactive load stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from loadtest.runner import deploy, progress, start_serve, stop_serve, undeploy
+
+MiB = 1 << 20
+REQUEST_MIB, BUDGET_MIB, PASS_S, MAX_WAIT_S = 100, 400, 0.1, 10.0
+SLOTS = BUDGET_MIB // REQUEST_MIB
+CAPACITY_RPS = SLOTS / PASS_S
+B_RPS = CAPACITY_RPS / 8
+A_RPS = 10 * B_RPS
+INTERACTIVE_RPS = 0.75 * CAPACITY_RPS
+KEYS = {"A": "k-tenant-a", "B": "k-tenant-b"}
+
+
+def app_args(queue: str, weights: dict[str, float], data_dir: str) -> dict:
+    """The fake engine's one replica, tenants A and B of ``weights``."""
+    return {"model": {"task": "fake", "name": "fake"},
+            "fake": {"latency_per_token_s": 0.0, "latency_per_pass_s": PASS_S,
+                     "bytes_per_token": 0, "bytes_per_request": REQUEST_MIB * MiB},
+            "memory": {"budget_bytes": BUDGET_MIB * MiB},
+            "limits": {"max_inputs": 2, "max_input_tokens": 32, "max_tokens": 8},
+            "admission": {"queue": queue, "max_queue_len": 1024,
+                          "max_queue_wait_s": MAX_WAIT_S},
+            "jobs": {"data_dir": data_dir, "max_queued": 10_000},
+            "auth": {"tenants": [{"name": name, "api_keys": [key], "weight": weights[name]}
+                                 for name, key in KEYS.items()]}}
+
+
+@dataclass(frozen=True)
+class Answer:
+    tenant: str
+    status: int
+    code: str
+    latency_s: float
+    wait_s: float
+
+
+def bearer(tenant: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS[tenant]}"}
+
+
+async def _one(http: httpx.AsyncClient, tenant: str) -> Answer:
+    started = time.monotonic()
+    response = await http.post("/v1/embeddings", json={"input": "a b"},
+                               headers=bearer(tenant))
+    latency_s = time.monotonic() - started
+    if response.status_code != 200:
+        return Answer(tenant, response.status_code, response.json()["error"]["code"],
+                      latency_s, 0.0)
+    return Answer(tenant, 200, "", latency_s,
+                  int(response.headers["x-queue-wait-ms"]) / 1000)
+
+
+async def open_loop(base_url: str, rates_rps: dict[str, float], seconds: float,
+                    seed: int = 0) -> list[Answer]:
+    """Each tenant's requests at Poisson arrivals of its rate for ``seconds``; every answer."""
+    async with httpx.AsyncClient(base_url=base_url, timeout=MAX_WAIT_S * 6,
+                                 limits=httpx.Limits(max_connections=None)) as http:
+        async def tenant_load(tenant: str, rate_rps: float, rng: random.Random) -> list:
+            sent, stop_at = [], time.monotonic() + seconds
+            while (now := time.monotonic()) < stop_at:
+                sent.append(asyncio.ensure_future(_one(http, tenant)))
+                await asyncio.sleep(min(rng.expovariate(rate_rps), stop_at - now))
+            return list(await asyncio.gather(*sent))
+
+        loads = [tenant_load(t, r, random.Random(seed + i))
+                 for i, (t, r) in enumerate(rates_rps.items())]
+        return [answer for answers in await asyncio.gather(*loads) for answer in answers]
+
+
+def p99(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else float("nan")
+
+
+def served_byte_s(base_url: str) -> dict[str, float]:
+    """Each tenant's byte-seconds served so far on the one replica (``/v1/status``)."""
+    [replica] = httpx.get(f"{base_url}/v1/status", headers=bearer("A"),
+                          timeout=30).json()["replicas"]
+    return {t: f["served_byte_s"] for t, f in replica["tenants"].items()}
+
+
+def _deployed(base_url: str, queue: str, weights: dict[str, float]) -> None:
+    deploy(app_args(queue, weights, tempfile.mkdtemp(prefix="vramgate-tenants-")), base_url,
+           headers=bearer("A"))
+
+
+def noisy_neighbour(base_url: str, seconds: float) -> list[list[str]]:
+    """B alone, then beside A's 10x under ``fair`` and ``fifo``: one row each."""
+    rows = []
+    for name, queue, rates in (("B alone (fair)", "fair", {"B": B_RPS}),
+                               ("A 10x B, fair", "fair", {"A": A_RPS, "B": B_RPS}),
+                               ("A 10x B, fifo", "fifo", {"A": A_RPS, "B": B_RPS})):
+        progress(f"tenants: {name}")
+        _deployed(base_url, queue, {"A": 1.0, "B": 1.0})
+        answers = asyncio.run(open_loop(base_url, rates, seconds))
+        undeploy()
+        row = [name]
+        for tenant in ("A", "B"):
+            own = [a for a in answers if a.tenant == tenant]
+            waits = [a.wait_s for a in own if a.status == 200]
+            refused = [a for a in own if a.status != 200]
+            row += [f"{len(own)}", f"{len(waits)}", f"{len(refused)}",
+                    f"{p99(waits):.2f}" if waits else "-"]
+        rows.append(row)
+    return rows
+
+
+def weighted_split(base_url: str, seconds: float) -> list[str]:
+    """A (weight 3) and B (weight 1) both at twice the capacity; byte-seconds served
+    between a fifth of the run and its end."""
+    progress("tenants: weights 3:1")
+    _deployed(base_url, "fair", {"A": 3.0, "B": 1.0})
+
+    async def measured() -> tuple[dict[str, float], dict[str, float]]:
+        load = asyncio.ensure_future(open_loop(
+            base_url, {"A": 2 * CAPACITY_RPS, "B": 2 * CAPACITY_RPS}, seconds))
+        await asyncio.sleep(seconds / 5)
+        start = await asyncio.to_thread(served_byte_s, base_url)
+        await asyncio.sleep(seconds * 4 / 5 - 0.5)
+        end = await asyncio.to_thread(served_byte_s, base_url)
+        await load
+        return start, end
+
+    start, end = asyncio.run(measured())
+    undeploy()
+    served = {t: end.get(t, 0.0) - start.get(t, 0.0) for t in ("A", "B")}
+    ratio = served["A"] / served["B"] if served["B"] else float("inf")
+    return [f"{served['A'] / 2**30:.1f}", f"{served['B'] / 2**30:.1f}", f"{ratio:.2f}",
+            f"{abs(ratio / 3 - 1):.1%}"]
+
+
+async def _flood(base_url: str, jobs: int) -> list[str]:
+    """``jobs`` durable jobs of A (16 submissions at a time); their ids."""
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        limit = asyncio.Semaphore(16)
+
+        async def submit(i: int) -> str:
+            async with limit:
+                response = await http.post("/v1/jobs", headers=bearer("A"), json={
+                    "route": "/v1/embeddings", "body": {"input": f"job {i}"}})
+                assert response.status_code == 202, response.text
+                return response.json()["id"]
+
+        return list(await asyncio.gather(*(submit(i) for i in range(jobs))))
+
+
+async def _finished(base_url: str, ids: list[str]) -> dict[str, int]:
+    """Waits until every job is final; how many ended in each status."""
+    statuses: dict[str, int] = {}
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        for job_id in ids:
+            while (job := (await http.get(f"/v1/jobs/{job_id}", headers=bearer("A"))).json()
+                   )["status"] in ("queued", "running"):
+                await asyncio.sleep(0.2)
+            statuses[job["status"]] = statuses.get(job["status"], 0) + 1
+    return statuses
+
+
+def batch_flood(base_url: str, seconds: float, jobs: int) -> list[list[str]]:
+    """B's interactive load alone, then beside ``jobs`` durable jobs of A."""
+    rows = []
+    for flooded in (False, True):
+        progress(f"tenants: interactive load{' beside a batch flood' if flooded else ''}")
+        _deployed(base_url, "fair", {"A": 1.0, "B": 1.0})
+        ids = asyncio.run(_flood(base_url, jobs)) if flooded else []
+        answers = asyncio.run(open_loop(base_url, {"B": INTERACTIVE_RPS}, seconds))
+        stopped = time.monotonic()
+        statuses = asyncio.run(_finished(base_url, ids))
+        after_s = time.monotonic() - stopped
+        undeploy()
+        served = [a.latency_s for a in answers if a.status == 200]
+        rows.append([f"{jobs if flooded else 0}", str(len(answers)),
+                     str(len(answers) - len(served)), f"{sorted(served)[len(served) // 2]:.3f}",
+                     f"{p99(served):.3f}",
+                     ", ".join(f"{s} {n}" for s, n in sorted(statuses.items())) or "-",
+                     f"{after_s:.1f}" if flooded else "-"])
+    return rows
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(row) + " |" for row in rows)]
+
+
+def run(base_url: str, seconds: float, jobs: int) -> dict[str, Any]:
+    """Every run on the Serve at ``base_url``; the figures :func:`section_lines` shows."""
+    return {"seconds": seconds, "jobs": jobs,
+            "neighbours": noisy_neighbour(base_url, seconds),
+            "split": weighted_split(base_url, seconds),
+            "flood": batch_flood(base_url, seconds, jobs)}
+
+
+def verdicts(section: dict[str, Any]) -> list[str]:
+    """The issue's goals against :func:`run`'s figures, one line each."""
+    alone, fair, fifo = (float(row[8]) for row in section["neighbours"])
+    b_refused = int(section["neighbours"][1][7])
+    off = abs(float(section["split"][2]) / 3 - 1)
+    quiet, flooded = (float(row[4]) for row in section["flood"])
+    ended = section["flood"][1][5]
+    return [
+        f"- Noisy neighbour, fair: B's p99 wait {fair:.2f} s = {fair / alone:.2f}x its "
+        f"{alone:.2f} s alone (goal <= 1.5x: {'holds' if fair <= 1.5 * alone else 'missed'}), "
+        f"B refused {b_refused} times (goal 0); fifo: B's p99 wait {fifo:.2f} s.",
+        f"- Weights 3:1: A / B = {section['split'][2]} ({off:.1%} off, goal <= 10 %: "
+        f"{'holds' if off <= 0.10 else 'missed'}).",
+        f"- Batch flood: interactive p99 {flooded:.3f} s = {flooded / quiet:.2f}x its "
+        f"{quiet:.3f} s without (goal <= 1.2x: "
+        f"{'holds' if flooded <= 1.2 * quiet else 'missed'}); jobs: {ended}.",
+    ]
+
+
+def section_lines(section: dict[str, Any]) -> list[str]:
+    """The load-test report's tenants section (markdown) for :func:`run`'s figures."""
+    return [
+        "## Tenants on one budget (fake engine, `python -m benchmarks.tenants`)",
+        "",
+        *verdicts(section),
+        "",
+        f"One replica, {SLOTS} requests at once in a shared forward pass of {PASS_S:g} s "
+        f"({CAPACITY_RPS:g} req/s); open-loop (Poisson) load for {section['seconds']:g} s; "
+        f"waits from `X-Queue-Wait-Ms`. Noisy neighbour: B offers {B_RPS:g} req/s, "
+        f"A {A_RPS:g} (10x), equal weights.",
+        "",
+        *table(["run", "A sent", "A served", "A refused", "A p99 wait s", "B sent",
+                "B served", "B refused", "B p99 wait s"], section["neighbours"]),
+        "",
+        "Weights 3:1, both tenants offering twice the capacity: byte-seconds served "
+        "(GiB x s, from `/v1/status`) between a fifth of the run and its end.",
+        "",
+        *table(["A byte-s", "B byte-s", "A / B", "off 3:1 by"], [section["split"]]),
+        "",
+        f"Batch flood: B's interactive load at {INTERACTIVE_RPS:g} req/s alone, then beside "
+        f"{section['jobs']} durable jobs of A (batch class) submitted just before it; "
+        "latencies of the interactive requests.",
+        "",
+        *table(["jobs", "interactive sent", "refused", "p50 s", "p99 s", "jobs ended",
+                "jobs done after load stopped, s"], section["flood"]),
+        "",
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--jobs", type=int, default=500)
+    options = parser.parse_args(argv)
+    base_url = start_serve()
+    try:
+        section = run(base_url, options.seconds, options.jobs)
+    finally:
+        stop_serve()
+    print("\n".join(section_lines(section)))
+
+
+if __name__ == "__main__":
+    main()
