@@ -8,6 +8,8 @@ Everything an inference route can raise, ours or Ray Serve's, is turned into a
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -72,8 +74,9 @@ def error_response(err: ServeAppError) -> JSONResponse:
     return JSONResponse(err.to_body(), status_code=err.status_code, headers=headers)
 
 
-def _validation_error(exc: RequestValidationError) -> ServeAppError:
-    errors = exc.errors()
+def validation_error(errors: Sequence[Any]) -> ServeAppError:
+    """The 400 of a body that failed validation with pydantic's ``errors`` (their ``loc``
+    without a leading ``"body"``): ``invalid_json``, else the first offending field."""
     if any(e.get("type") == "json_invalid" for e in errors):
         return InvalidRequestError("the body is not valid JSON", code="invalid_json")
     first = errors[0] if errors else {}
@@ -99,7 +102,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(_validation_error(exc))
+        return error_response(validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -150,11 +150,13 @@ class BatchStore:
     async def cursor(self, batch_id: str) -> int:
         return int(await self._client.hget(self._key("batch", batch_id), "cursor") or 0)
 
-    async def submitted(self, batch_id: str, custom_id: str, job_id: str,
+    async def submitted(self, batch_id: str, custom_id: str, job_id: str | None,
                         cursor: int) -> None:
-        """Note a line's job and the cursor past it, together."""
+        """Note a line's job (``None``: it has none, it was recorded) and the cursor past
+        it, together."""
         async with self._client.pipeline(transaction=True) as pipe:
-            pipe.hset(self._key("batch", batch_id, "running"), custom_id, job_id)
+            if job_id is not None:
+                pipe.hset(self._key("batch", batch_id, "running"), custom_id, job_id)
             pipe.hset(self._key("batch", batch_id), "cursor", cursor)
             await pipe.execute()
 
