@@ -138,7 +138,9 @@ def test_bad_files_are_refused_at_upload_and_the_service_keeps_serving(sdk, app)
         assert (purpose.status_code, purpose.json()["error"]["code"]) == (
             400, "invalid_purpose")
         # A body over the limit with no Content-Length (chunked): refused while streaming.
-        chunked = http.post("/v1/files", content=iter([b"x" * 100_000] * 4),
+        head = (b'--b\r\nContent-Disposition: form-data; name="file"; filename="f"\r\n'
+                b"Content-Type: application/jsonl\r\n\r\n")
+        chunked = http.post("/v1/files", content=iter([head, *[b"x" * 100_000] * 4]),
                             headers={"content-type": "multipart/form-data; boundary=b"})
         assert (chunked.status_code, chunked.json()["error"]["code"]) == (
             413, "body_too_large")
