@@ -269,7 +269,7 @@ class BatchDriver:
     async def scan(self) -> None:
         """Take and drive every batch not final that nobody drives."""
         for batch_id in await self._batches.active():
-            if batch_id not in self._driving and await self._batches.lock(
+            if batch_id not in self._driving and await self._batches.locks.lock(
                     batch_id, self._token, LOCK_TTL_MS):
                 self._driving[batch_id] = asyncio.get_running_loop().create_task(
                     self._drive(batch_id))
@@ -279,7 +279,7 @@ class BatchDriver:
         try:
             while not run.done():
                 await asyncio.wait({run}, timeout=RENEW_S)
-                if not run.done() and not await self._batches.renew(batch_id, self._token,
+                if not run.done() and not await self._batches.locks.renew(batch_id, self._token,
                                                                     LOCK_TTL_MS):
                     logger.warning("batch %s: lock lost; another ingress drives it", batch_id)
                     run.cancel()
@@ -292,4 +292,4 @@ class BatchDriver:
             run.cancel()
             self._driving.pop(batch_id, None)
             with contextlib.suppress(RedisError, OSError):
-                await self._batches.unlock(batch_id, self._token)
+                await self._batches.locks.unlock(batch_id, self._token)

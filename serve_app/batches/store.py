@@ -57,13 +57,16 @@ class BatchStore:
         client: a ``redis.asyncio.Redis`` returning bytes.
         base: the key prefix, e.g. ``"vramgate:batches:fake:"``.
         clock: unix seconds.
+
+    Attributes:
+        locks: the batches' driving locks (:class:`BatchLocks`).
     """
 
     def __init__(self, client: aioredis.Redis, base: str,
                  clock: Callable[[], float] = time.time) -> None:
         self._client, self._base, self._clock = client, base, clock
         self._record = client.register_script(RECORD)
-        self._renew = client.register_script(RENEW)
+        self.locks = BatchLocks(client, base)
 
     def _key(self, *parts: str) -> str:
         return self._base + ":".join(parts)
@@ -186,6 +189,18 @@ class BatchStore:
             return []
         key = self._key("batch", batch_id, "err" if failed else "out")
         return await self._client.hmget(key, custom_ids)
+
+
+class BatchLocks:
+    """``lock:{id}``: which ingress drives a batch (its token), for ``ttl_ms`` after its last
+    renewal."""
+
+    def __init__(self, client: aioredis.Redis, base: str) -> None:
+        self._client, self._base = client, base
+        self._renew = client.register_script(RENEW)
+
+    def _key(self, *parts: str) -> str:
+        return self._base + ":".join(parts)
 
     async def lock(self, batch_id: str, token: str, ttl_ms: int) -> bool:
         """Take the batch's lock for ``ttl_ms`` if nobody holds it."""

@@ -125,7 +125,7 @@ async def test_listing_is_newest_first_with_a_cursor(client, base, clock):
 
 
 async def test_one_holder_of_a_batch_lock(client, base):
-    batches = BatchStore(client, base)
+    batches = BatchStore(client, base).locks
     assert await batches.lock("b", "one", 10_000)
     assert not await batches.lock("b", "two", 10_000)
     assert await batches.renew("b", "one", 10_000) and not await batches.renew("b", "two", 1)
