@@ -8,19 +8,11 @@ import asyncio
 import uuid
 
 import pytest
-import redis.asyncio as aioredis
 
 from serve_app.batches.files import FileStore, JsonlChecker
 from serve_app.batches.models import Batch, BatchStatus
 from serve_app.batches.store import BatchStore
 from serve_app.errors import BodyTooLargeError, InvalidRequestError
-
-
-@pytest.fixture
-async def client(redis_url):
-    client = aioredis.from_url(redis_url)
-    yield client
-    await client.aclose()
 
 
 @pytest.fixture
