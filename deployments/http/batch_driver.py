@@ -33,6 +33,7 @@ from redis.exceptions import RedisError
 from deployments.http.batch_lines import error_line, line_key, result_line, validate_lines
 from deployments.http.http_errors import validation_error
 from deployments.http.jobs_http import JobsFront, JobsRoutes
+from serve_app.admission.fair import DEFAULT_TENANT
 from serve_app.batches.files import FileStore
 from serve_app.batches.models import (
     FINAL_BATCH_STATUSES,
@@ -150,7 +151,7 @@ class BatchRun:
         (a full job queue or an unreachable store leaves the rest for the next round)."""
         cursor = await self._batches.cursor(self._id)
         free = self._parts.window - len(running)
-        tenant = await self._batches.tenant(self._id) or ""
+        tenant = await self._batches.tenant(self._id) or DEFAULT_TENANT
         for line in await self._batches.lines(self._id, cursor, cursor + max(0, free)):
             custom_id, job_id = line["custom_id"], None
             if custom_id not in running and not await self._batches.recorded(self._id,

@@ -13,16 +13,21 @@ from typing import Any
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import StreamingResponse
 from starlette.datastructures import UploadFile
+from starlette.formparsers import MultiPartException
 
 from deployments.http.batch_driver import BatchDriver, BatchParts
 from deployments.http.http_middleware import tenant_of
 from deployments.http.jobs_http import JobsRoutes
+from deployments.http.openapi import responses
 from serve_app.batches.files import FileStore, JsonlChecker
 from serve_app.batches.models import (
     WINDOWS_S,
     Batch,
     BatchCreate,
+    BatchList,
     BatchStatus,
+    FileDeleted,
+    FileList,
     FileObject,
     new_batch_id,
 )
@@ -34,6 +39,12 @@ from serve_app.metrics import ProcessMetrics
 
 UPLOAD_CHUNK_BYTES = 1 << 20
 """How much of an upload is read (and appended to Redis) at a time."""
+UPLOAD_BODY = {"requestBody": {"required": True, "content": {"multipart/form-data": {
+    "schema": {"type": "object", "required": ["file", "purpose"], "properties": {
+        "file": {"type": "string", "format": "binary",
+                 "description": "JSONL: one request a line, `{custom_id, method, url, body}`."},
+        "purpose": {"type": "string", "enum": ["batch"]}}}}}}}
+"""The OpenAPI declaration of ``POST /v1/files``'s body (the route parses it itself, streamed)."""
 
 
 class BatchesRoutes:
@@ -67,22 +78,39 @@ class BatchesRoutes:
             self._driver.stop()
 
     def install(self, app: FastAPI) -> None:
-        """Add the routes to ``app``."""
-        app.post("/v1/files", response_model=FileObject)(self.upload)
-        app.get("/v1/files")(self.list_files)
-        app.get("/v1/files/{file_id}", response_model=FileObject)(self.show_file)
-        app.delete("/v1/files/{file_id}")(self.delete_file)
-        app.get("/v1/files/{file_id}/content", response_model=None)(self.content)
-        app.post("/v1/batches", response_model=Batch)(self.create)
-        app.get("/v1/batches")(self.list_batches)
-        app.get("/v1/batches/{batch_id}", response_model=Batch)(self.show)
-        app.post("/v1/batches/{batch_id}/cancel", response_model=Batch)(self.cancel)
+        """Add the routes (and their OpenAPI declarations) to ``app``."""
+        app.post("/v1/files", response_model=None, openapi_extra=UPLOAD_BODY,
+                 responses=responses(FileObject, 400, 401, 413, 503))(self.upload)
+        app.get("/v1/files", response_model=None,
+                responses=responses(FileList, 400, 401, 503))(self.list_files)
+        app.get("/v1/files/{file_id}", response_model=None,
+                responses=responses(FileObject, 401, 404, 503))(self.show_file)
+        app.delete("/v1/files/{file_id}", response_model=None,
+                   responses=responses(FileDeleted, 401, 404, 503))(self.delete_file)
+        content = responses(FileObject, 401, 404, 503)
+        content[200] = {"description": "The file's bytes (JSONL).",
+                        "content": {"application/jsonl": {"schema": {"type": "string"}}}}
+        app.get("/v1/files/{file_id}/content", response_model=None,
+                responses=content)(self.content)
+        app.post("/v1/batches", response_model=None,
+                 responses=responses(Batch, 400, 401, 404, 503))(self.create)
+        app.get("/v1/batches", response_model=None,
+                responses=responses(BatchList, 400, 401, 503))(self.list_batches)
+        app.get("/v1/batches/{batch_id}", response_model=None,
+                responses=responses(Batch, 401, 404, 503))(self.show)
+        app.post("/v1/batches/{batch_id}/cancel", response_model=None,
+                 responses=responses(Batch, 401, 404, 503))(self.cancel)
 
-    async def upload(self, request: Request) -> FileObject:
+    async def upload(self, request: Request) -> dict[str, Any]:
         """``POST /v1/files``: store a JSONL file (``purpose=batch``), streamed and checked
         line by line (400 ``invalid_jsonl``/``too_many_lines``/``invalid_purpose``, 413
         ``body_too_large`` over ``jobs.batch_max_file_bytes``)."""
-        async with request.form(max_files=1, max_fields=8) as form:
+        try:
+            form = await request.form(max_files=1, max_fields=8)
+        except MultiPartException as exc:
+            raise InvalidRequestError(f"the body is not valid multipart/form-data: "
+                                      f"{exc.message}", code="invalid_multipart") from None
+        try:
             purpose, upload = form.get("purpose"), form.get("file")
             if purpose != "batch":
                 raise InvalidRequestError(f"purpose must be 'batch', not {purpose!r}",
@@ -92,25 +120,27 @@ class BatchesRoutes:
                                           code="file")
             checker = JsonlChecker(self._config.batch_max_file_bytes,
                                    self._config.batch_max_lines)
-            return await self._parts()[0].write(_chunks(upload), upload.filename or "file",
+            file = await self._parts()[0].write(_chunks(upload), upload.filename or "file",
                                                 "batch", checker)
+        finally:
+            await form.close()
+        return file.model_dump()
 
     async def list_files(self, purpose: str | None = None,
                          limit: int = Query(10000, ge=1, le=10000),
                          after: str | None = None) -> dict[str, Any]:
         """``GET /v1/files``: newest first."""
         found = await self._parts()[0].list(purpose, limit + 1, after)
-        return {"object": "list", "data": [f.model_dump() for f in found[:limit]],
-                "has_more": len(found) > limit}
+        return FileList(data=found[:limit], has_more=len(found) > limit).model_dump()
 
-    async def show_file(self, file_id: str) -> FileObject:
+    async def show_file(self, file_id: str) -> dict[str, Any]:
         """``GET /v1/files/{file_id}`` (404 ``file_not_found``)."""
-        return _found(await self._parts()[0].get(file_id), "file", file_id)
+        return _found(await self._parts()[0].get(file_id), "file", file_id).model_dump()
 
     async def delete_file(self, file_id: str) -> dict[str, Any]:
         """``DELETE /v1/files/{file_id}`` (404 ``file_not_found``)."""
         _found(await self._parts()[0].delete(file_id) or None, "file", file_id)
-        return {"id": file_id, "object": "file", "deleted": True}
+        return FileDeleted(id=file_id).model_dump()
 
     async def content(self, file_id: str) -> StreamingResponse:
         """``GET /v1/files/{file_id}/content``: the bytes, streamed."""
@@ -118,7 +148,7 @@ class BatchesRoutes:
         _found(await files.get(file_id), "file", file_id)
         return StreamingResponse(files.read(file_id), media_type="application/jsonl")
 
-    async def create(self, body: BatchCreate, request: Request) -> Batch:
+    async def create(self, body: BatchCreate, request: Request) -> dict[str, Any]:
         """``POST /v1/batches``: a batch of the uploaded ``input_file_id``, ``validating``
         (404 ``file_not_found``; 404 ``model_not_found`` for an endpoint no model serves)."""
         files, batches = self._parts()
@@ -135,21 +165,20 @@ class BatchesRoutes:
                       metadata=body.metadata)
         await batches.create(batch, tenant_of(request))
         self._driver.wake()
-        return batch
+        return batch.model_dump()
 
     async def list_batches(self, limit: int = Query(20, ge=1, le=100),
                            after: str | None = None) -> dict[str, Any]:
         """``GET /v1/batches``: newest first, ``after`` a batch id."""
         found, more = await self._parts()[1].list(limit, after)
-        return {"object": "list", "data": [b.model_dump() for b in found],
-                "first_id": found[0].id if found else None,
-                "last_id": found[-1].id if found else None, "has_more": more}
+        return BatchList(data=found, first_id=found[0].id if found else None,
+                         last_id=found[-1].id if found else None, has_more=more).model_dump()
 
-    async def show(self, batch_id: str) -> Batch:
+    async def show(self, batch_id: str) -> dict[str, Any]:
         """``GET /v1/batches/{batch_id}`` (404 ``batch_not_found``)."""
-        return _found(await self._parts()[1].get(batch_id), "batch", batch_id)
+        return _found(await self._parts()[1].get(batch_id), "batch", batch_id).model_dump()
 
-    async def cancel(self, batch_id: str) -> Batch:
+    async def cancel(self, batch_id: str) -> dict[str, Any]:
         """``POST /v1/batches/{batch_id}/cancel``: ``cancelling`` (then ``cancelled`` once
         its running lines stopped); a batch already final or cancelling is left as it is."""
         batches = self._parts()[1]

@@ -19,6 +19,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Route
 
 from serve_app.errors import (
     InternalError,
@@ -93,6 +94,14 @@ def validation_error(errors: Sequence[Any]) -> ServeAppError:
     return InvalidRequestError(f"{where}: {message}", code=field)
 
 
+def _allowed(request: Request) -> list[str]:
+    """The methods of every route of the app at the request's path."""
+    methods = {method for route in request.app.router.routes
+               if isinstance(route, Route) and route.matches(request.scope)[0] is Match.PARTIAL
+               for method in route.methods or ()}
+    return sorted(methods)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Route every error raised inside ``app`` through :func:`error_response`."""
 
@@ -117,8 +126,10 @@ def install_error_handlers(app: FastAPI) -> None:
             err.status_code = exc.status_code
         response = error_response(err)
         # Starlette's own headers stay: a 405 must list the route's methods in `Allow`
-        # (RFC 9110 15.5.6).
+        # (RFC 9110 15.5.6), of every route at the path (Starlette names the first one's).
         response.headers.update(exc.headers or {})
+        if exc.status_code == 405:
+            response.headers["Allow"] = ", ".join(_allowed(request))
         return response
 
     @app.exception_handler(Exception)

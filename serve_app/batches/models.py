@@ -58,6 +58,22 @@ class FileObject(BaseModel):
     status: str = "processed"
 
 
+class FileList(BaseModel):
+    """``GET /v1/files``: newest first."""
+
+    object: Literal["list"] = "list"
+    data: list[FileObject]
+    has_more: bool = False
+
+
+class FileDeleted(BaseModel):
+    """``DELETE /v1/files/{id}``."""
+
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool = True
+
+
 class BatchError(BaseModel):
     """One problem found while validating: ``line`` is 1-based; ``param`` the field."""
 
@@ -126,3 +142,13 @@ class BatchLine(BaseModel):
     method: Literal["POST"]
     url: str
     body: dict[str, Any]
+
+
+class BatchList(BaseModel):
+    """``GET /v1/batches``: newest first; ``first_id``/``last_id`` of this page."""
+
+    object: Literal["list"] = "list"
+    data: list[Batch]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False

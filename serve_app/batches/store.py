@@ -76,7 +76,8 @@ class BatchStore:
             pipe.hset(self._key("batch", batch.id), mapping={
                 "object": batch.model_dump_json(exclude={"request_counts"}),
                 "tenant": tenant, "cursor": 0})
-            pipe.zadd(self._key("batches"), {batch.id: batch.created_at})
+            # Now, not the whole second of created_at: batches of one second keep their order.
+            pipe.zadd(self._key("batches"), {batch.id: self._clock()})
             pipe.sadd(self._key("active"), batch.id)
             await pipe.execute()
 
