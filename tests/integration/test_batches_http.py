@@ -229,3 +229,18 @@ def test_a_batch_survives_its_app_deleted_and_deployed_again(sdk, app, deploy):
     assert set(output) == {line["custom_id"] for line in lines} and not errors
     assert done < 150, "the batch finished before the restart: nothing was tested"
     print(f"\n{done} of 150 lines done before the restart")
+
+
+def test_a_chat_batch_equals_greedy_answers_at_once(sdk):
+    asks = {f"chat-{i}": f"what is {i} plus {i}" for i in range(10)}
+    body = {"model": "fake", "max_tokens": 8, "temperature": 0}
+    lines = [_line(cid, {**body, "messages": [{"role": "user", "content": ask}]},
+                   url="/v1/chat/completions") for cid, ask in asks.items()]
+    batch = _run(sdk, lines, endpoint="/v1/chat/completions")
+    assert batch.status == "completed", batch.errors
+    output, errors = _results(sdk, batch)
+    assert set(output) == set(asks) and not errors
+    for cid, ask in asks.items():
+        direct = sdk.chat.completions.create(
+            messages=[{"role": "user", "content": ask}], **body).choices[0].message.content
+        assert output[cid]["response"]["body"]["choices"][0]["message"]["content"] == direct
