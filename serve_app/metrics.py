@@ -165,6 +165,12 @@ SPECS: tuple[MetricSpec, ...] = (
                ("route", "status")),
     MetricSpec("histogram", "http_request_seconds", "HTTP request duration by route.",
                ("route",), SECONDS_BUCKETS),
+    MetricSpec("counter", "batches_finished",
+               "Batch API batches this ingress drove to a final status: completed, failed "
+               "(refused in validation), cancelled or expired.", ("outcome",)),
+    MetricSpec("counter", "batch_lines_finished",
+               "Lines of Batch API batches this ingress recorded: completed (output file) or "
+               "failed (error file: the job failed, was cancelled or expired).", ("outcome",)),
     MetricSpec("counter", "idempotency_hits",
                "Requests answered from another execution with the same Idempotency-Key: "
                "outcome replayed (stored response) or coalesced (joined a running one).",

@@ -10,7 +10,9 @@ metric reference read; renaming a value changes the exported series.
 :data:`DECISION_REASONS` names for it: ``admitted`` with an :class:`AdmitReason`,
 ``rejected`` with a :class:`Reason`, ``cancelled`` with a :class:`CancelReason`.
 ``vramgate_jobs_finished_total`` takes a :class:`JobOutcome`,
-``vramgate_idempotency_hits_total`` an :class:`IdempotencyHit`.
+``vramgate_idempotency_hits_total`` an :class:`IdempotencyHit`,
+``vramgate_batches_finished_total`` a :class:`BatchOutcome` and
+``vramgate_batch_lines_finished_total`` a :class:`BatchLineOutcome`.
 """
 
 from __future__ import annotations
@@ -82,6 +84,22 @@ class JobOutcome(enum.StrEnum):
     def of(cls, status: JobStatus) -> JobOutcome:
         """The outcome of a job its worker left in ``status`` (``queued``: requeued)."""
         return cls.REQUEUED if status == JobStatus.QUEUED else cls(status)
+
+
+class BatchLineOutcome(enum.StrEnum):
+    """How a line of a Batch API batch ended (``batch_lines_finished``)."""
+
+    COMPLETED = "completed"  # in the output file
+    FAILED = "failed"  # in the error file (the job failed, or was cancelled or expired)
+
+
+class BatchOutcome(enum.StrEnum):
+    """The final status of a Batch API batch (``batches_finished``)."""
+
+    COMPLETED = "completed"
+    FAILED = "failed"  # refused in validation
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
 
 
 class IdempotencyHit(enum.StrEnum):

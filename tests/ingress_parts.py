@@ -52,6 +52,7 @@ def ingress_app(args: AppArgs, replicas: Any = None, factory: Any = None,
     ingress._models.add(ModelFront(args=args, engine=engine, front_end=None, replicas=replicas,
                                    client=client, routes=routes, jobs=None))
     ingress._args, ingress._jobs, ingress._model_args = args, None, [args]
+    ingress._batches = None
     ingress._opening = Opening()  # its one model is open already
     ingress._metrics = metrics
     return ingress.__serve_build_asgi_app__()

@@ -8,6 +8,8 @@ Everything an inference route can raise, ours or Ray Serve's, is turned into a
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,6 +19,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Route
 
 from serve_app.errors import (
     InternalError,
@@ -72,8 +75,9 @@ def error_response(err: ServeAppError) -> JSONResponse:
     return JSONResponse(err.to_body(), status_code=err.status_code, headers=headers)
 
 
-def _validation_error(exc: RequestValidationError) -> ServeAppError:
-    errors = exc.errors()
+def validation_error(errors: Sequence[Any]) -> ServeAppError:
+    """The 400 of a body that failed validation with pydantic's ``errors`` (their ``loc``
+    without a leading ``"body"``): ``invalid_json``, else the first offending field."""
     if any(e.get("type") == "json_invalid" for e in errors):
         return InvalidRequestError("the body is not valid JSON", code="invalid_json")
     first = errors[0] if errors else {}
@@ -90,6 +94,14 @@ def _validation_error(exc: RequestValidationError) -> ServeAppError:
     return InvalidRequestError(f"{where}: {message}", code=field)
 
 
+def _allowed(request: Request) -> list[str]:
+    """The methods of every route of the app at the request's path."""
+    methods = {method for route in request.app.router.routes
+               if isinstance(route, Route) and route.matches(request.scope)[0] is Match.PARTIAL
+               for method in route.methods or ()}
+    return sorted(methods)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Route every error raised inside ``app`` through :func:`error_response`."""
 
@@ -99,7 +111,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(_validation_error(exc))
+        return error_response(validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -114,8 +126,10 @@ def install_error_handlers(app: FastAPI) -> None:
             err.status_code = exc.status_code
         response = error_response(err)
         # Starlette's own headers stay: a 405 must list the route's methods in `Allow`
-        # (RFC 9110 15.5.6).
+        # (RFC 9110 15.5.6), of every route at the path (Starlette names the first one's).
         response.headers.update(exc.headers or {})
+        if exc.status_code == 405:
+            response.headers["Allow"] = ", ".join(_allowed(request))
         return response
 
     @app.exception_handler(Exception)

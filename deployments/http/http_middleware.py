@@ -83,21 +83,33 @@ class BodyLimitMiddleware:
     """Refuses bodies over ``max_body_bytes`` with 413: at once when ``Content-Length`` says
     so, else as soon as the streamed (chunked) body passes the limit. A body within the limit
     is read here and handed on whole; later ``receive`` calls (disconnects) pass through,
-    a receive Ray Serve cancelled as the disconnect it is (:func:`receive_or_disconnect`)."""
+    a receive Ray Serve cancelled as the disconnect it is (:func:`receive_or_disconnect`).
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    A path of ``streamed`` (``/v1/files``: uploads of up to ``jobs.batch_max_file_bytes``)
+    has its own limit and its body is not read here: it streams on to the route, counted,
+    a receive past the limit raising :class:`BodyTooLargeError` (413).
+    """
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int,
+                 streamed: Mapping[str, int] | None = None) -> None:
         self._app = app
         self._max_body_bytes = max_body_bytes
+        self._streamed = dict(streamed or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self._app(scope, receive, send)
             return
+        limit = self._streamed.get(route_path(scope))
+        knob = "limits.max_body_bytes" if limit is None else "jobs.batch_max_file_bytes"
         too_large = error_response(BodyTooLargeError(
-            f"the body exceeds limits.max_body_bytes = {self._max_body_bytes} bytes"))
+            f"the body exceeds {knob} = {limit or self._max_body_bytes} bytes"))
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self._max_body_bytes:
+        if declared.isdigit() and int(declared) > (limit or self._max_body_bytes):
             await too_large(scope, receive, send)
+            return
+        if limit is not None:
+            await self._app(scope, _counted(receive, limit, knob), send)
             return
         chunks, size = [], 0
         while True:
@@ -121,6 +133,21 @@ class BodyLimitMiddleware:
             return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
 
         await self._app(scope, replay, send)
+
+
+def _counted(receive: Receive, limit: int, knob: str) -> Receive:
+    """``receive`` that raises :class:`BodyTooLargeError` once the body passes ``limit``."""
+    size = 0
+
+    async def counted() -> Message:
+        nonlocal size
+        message = await receive_or_disconnect(receive)
+        size += len(message.get("body", b""))
+        if size > limit:
+            raise BodyTooLargeError(f"the body exceeds {knob} = {limit} bytes")
+        return message
+
+    return counted
 
 
 async def receive_or_disconnect(receive: Receive) -> Message:

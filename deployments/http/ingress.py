@@ -25,6 +25,7 @@ from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 
 from deployments.cluster.replica_registry import publish_forever
+from deployments.http.batches_http import BatchesRoutes
 from deployments.http.early_refusal import EarlyRefusalMiddleware
 from deployments.http.http_errors import error_response, install_error_handlers
 from deployments.http.http_middleware import (
@@ -77,6 +78,8 @@ class Ingress:
         self._model_args = [parse_args(binding.args) for binding in models]
         self._args = self._model_args[0]
         self._jobs = JobsRoutes(self._models) if self._args.jobs.enabled else None
+        self._batches = None if self._jobs is None else \
+            BatchesRoutes(self._jobs, self._args.jobs, self._metrics)
         self._app: FastAPI | None = None
         # Returns at once: Ray Serve routes to this replica only once __init__ has returned.
         self._opening = Opening(self._open(models, registry, idempotency))
@@ -89,6 +92,8 @@ class Ingress:
         then its inference routes, if the app is built already (else as it is built)."""
         for binding in models:
             await open_model_front(binding, registry, idempotency, self._metrics, self._models)
+        if self._batches is not None:  # in the first model's job store
+            self._batches.open(self._models.fronts[0].jobs.store)
         if self._app is not None:
             self._install_inference_routes(self._app)
 
@@ -120,7 +125,8 @@ class Ingress:
                       description="Memory-budget admission for model serving on Ray Serve.",
                       dependencies=[Depends(auth)])
         app.add_middleware(BodyLimitMiddleware, max_body_bytes=max(
-            args.limits.max_body_bytes for args in self._model_args))
+            args.limits.max_body_bytes for args in self._model_args), streamed={
+            "/v1/files": args.jobs.batch_max_file_bytes} if self._batches else None)
         # Before the body is read: refusals by prediction under overload skip it.
         app.add_middleware(EarlyRefusalMiddleware, models=self._models, auth=auth)
         # Before any part that needs the models open: the probes alone pass before.
@@ -135,6 +141,8 @@ class Ingress:
             self._install_inference_routes(app)
         if self._jobs is not None:
             self._jobs.install(app)
+        if self._batches is not None:
+            self._batches.install(app)
         app.get("/v1/models", response_model=None,
                 responses=responses(ModelList, 401))(self.models)
         app.get("/v1/status", response_model=None,
@@ -207,6 +215,8 @@ class Ingress:
             self._publisher.cancel()
         if getattr(self, "_opening", None) is not None:
             self._opening.cancel()
+        if getattr(self, "_batches", None) is not None:
+            self._batches.stop()
 
 
 def _replica_context() -> Any:

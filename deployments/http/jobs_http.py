@@ -29,7 +29,7 @@ from deployments.http.http_middleware import priority_of, tenant_of
 from deployments.http.idempotency_guard import checked_key
 from deployments.http.openapi import responses
 from deployments.http.replica_view import ReplicaView
-from deployments.http.routes.base import Route
+from deployments.http.routes.base import Prepared, Route
 from serve_app.admission.priority import Priority
 from serve_app.errors import (
     InternalError,
@@ -78,27 +78,52 @@ class JobsFront:
                 it exceeds every replica's whole budget; 422 for an Idempotency-Key used with
                 another body; 503 ``jobs_full``.
         """
-        job_id = new_job_id()
-        prepared = await self._routes[path].prepare(body, job_id)
+        job, created = await self.submit_body(path, body, request.headers.get("idempotency-key"),
+                                              tenant_of(request),
+                                              priority_of(request, Priority.BATCH))
+        job = await self.with_eta(await self._store.get(job.id) or job)
+        headers = {"Location": f"/v1/jobs/{job.id}"}
+        if not created:  # the key's job, as for any replayed Idempotency-Key
+            headers["Idempotent-Replayed"] = "true"
+        return JSONResponse(job.to_body(), status_code=202, headers=headers)
+
+    @property
+    def store(self) -> JobStore:
+        """The model's job store."""
+        return self._store
+
+    async def price(self, prepared: Prepared) -> int | None:
+        """The device bytes ``prepared`` is priced at (``None`` while no replica has measured
+        its cost model).
+
+        Raises:
+            RequestTooLargeError: it exceeds every replica's whole budget (400).
+        """
         units = await self._replicas.estimate(prepared.request.shape)
         budgets = [s.measured_budget_bytes for s in await self._replicas.states()]
         if units is not None and budgets and units > max(budgets):
             raise RequestTooLargeError(
                 f"the request needs an estimated {units} bytes of device memory, more than "
                 f"any replica's whole budget ({max(budgets)} bytes)")
-        key = request.headers.get("idempotency-key")
-        job, created = await self._store.submit(
+        return units
+
+    async def submit_body(self, path: str, body: BaseModel, key: str | None, tenant: str,
+                          priority: Priority = Priority.BATCH) -> tuple[JobView, bool]:
+        """Prepare and price ``body`` as the route at ``path`` does, and store it as a job of
+        ``tenant`` in the ``priority`` class under the Idempotency-Key ``key``:
+        :meth:`JobStore.submit`'s answer.
+
+        Raises:
+            ServeAppError: as :meth:`submit`.
+        """
+        job_id = new_job_id()
+        prepared = await self._routes[path].prepare(body, job_id)
+        units = await self.price(prepared)
+        return await self._store.submit(
             path, body.model_dump_json(exclude_unset=True),
-            encode_job(dataclasses.replace(prepared.request, tenant=tenant_of(request),
-                                           priority=priority_of(request, Priority.BATCH)),
+            encode_job(dataclasses.replace(prepared.request, tenant=tenant, priority=priority),
                        prepared.render),
-            units or 0, checked_key(key),
-            job_id)
-        job = await self.with_eta(await self._store.get(job.id) or job)
-        headers = {"Location": f"/v1/jobs/{job.id}"}
-        if not created:  # the key's job, as for any replayed Idempotency-Key
-            headers["Idempotent-Replayed"] = "true"
-        return JSONResponse(job.to_body(), status_code=202, headers=headers)
+            units or 0, checked_key(key), job_id)
 
     async def show(self, job_id: str) -> JobView | None:
         """The job now (``None`` when unknown here or expired); one stored by an earlier
@@ -188,32 +213,48 @@ class JobsRoutes:
 
     async def create(self, job: JobRequest, request: Request) -> JSONResponse:
         """``POST /v1/jobs``: run ``job.body`` on ``job.route`` as a job (202)."""
-        if job.route not in self._models.paths():
-            raise ModelNotFoundError(f"no inference route {job.route!r} here; one of "
-                                     f"{self._models.paths()}")
-        model = job.body.get("model")
-        route = self._models.route(job.route, model if isinstance(model, str) else None)
         try:
-            body = route.body_model.model_validate(job.body)
+            route, body = self.parsed(job.route, job.body)
         except ValidationError as exc:
             raise RequestValidationError(
                 [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
-        if getattr(body, "stream", False):
-            raise InvalidRequestError("a job's result is fetched whole: stream must be false",
-                                      code="stream")
         request.state.model = route.context.args.model.name
         return await route.context.jobs.submit(job.route, body, request)
 
+    def paths(self) -> list[str]:
+        """Every inference route's path here."""
+        return self._models.paths()
+
+    def parsed(self, path: str, body: dict[str, Any]) -> tuple[Route, BaseModel]:
+        """The route at ``path`` of the model ``body`` names, and ``body`` validated by it.
+
+        Raises:
+            ModelNotFoundError: no such inference route here, or model (404).
+            InvalidRequestError: ``stream`` is true (a job's result is fetched whole).
+            pydantic.ValidationError: the route refuses the body.
+        """
+        if path not in self._models.paths():
+            raise ModelNotFoundError(f"no inference route {path!r} here; one of "
+                                     f"{self._models.paths()}")
+        model = body.get("model")
+        route = self._models.route(path, model if isinstance(model, str) else None)
+        parsed = route.body_model.model_validate(body)
+        if getattr(parsed, "stream", False):
+            raise InvalidRequestError("a job's result is fetched whole: stream must be false",
+                                      code="stream")
+        return route, parsed
+
     async def show(self, job_id: str) -> dict[str, Any]:
         """``GET /v1/jobs/{job_id}``: the job now (404 when unknown or expired)."""
-        return _found(await self._first(job_id, JobsFront.show), job_id).to_body()
+        return _found(await self.first(job_id, JobsFront.show), job_id).to_body()
 
     async def cancel(self, job_id: str) -> dict[str, Any]:
         """``DELETE /v1/jobs/{job_id}``: :meth:`JobsFront.cancel` (404 when unknown)."""
-        return _found(await self._first(job_id, JobsFront.cancel), job_id).to_body()
+        return _found(await self.first(job_id, JobsFront.cancel), job_id).to_body()
 
-    async def _first(self, job_id: str, call: Any) -> JobView | None:
-        """``call(front, job_id)`` on each model's jobs until one knows the job."""
+    async def first(self, job_id: str, call: Any) -> JobView | None:
+        """``call(front, job_id)`` on each model's jobs (:class:`JobsFront`) until one knows
+        the job; ``None`` if none does."""
         for front in self._models.fronts:
             if front.jobs is not None and (job := await call(front.jobs, job_id)) is not None:
                 return job

@@ -9,8 +9,10 @@ from serve_app.schemas import ErrorResponse, JobResponse
 ERROR_MEANINGS = {
     400: "Invalid request (malformed JSON, failed validation, `request_too_large`).",
     401: "Missing or wrong API key (only when one is configured).",
-    404: "Unknown model, or one that does not serve this route (`model_not_found`).",
-    413: "Body larger than `limits.max_body_bytes` (`body_too_large`).",
+    404: "Unknown model, or one that does not serve this route (`model_not_found`); unknown "
+         "job, file or batch (`job_not_found`, `file_not_found`, `batch_not_found`).",
+    413: "Body larger than `limits.max_body_bytes`, or a `/v1/files` upload larger than "
+         "`jobs.batch_max_file_bytes` (`body_too_large`).",
     422: "Idempotency-Key reused with a different body (`idempotency_key_reused`).",
     429: "The request's tenant holds or waits for its whole quota (`tenant_quota`: "
          "`auth.tenants[].max_share` / `max_waiting`); retry after `Retry-After` seconds.",

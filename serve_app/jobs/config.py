@@ -38,3 +38,13 @@ class JobsConfig(BaseModel):
     poll_interval_s: float = Field(
         0.2, gt=0, allow_inf_nan=False, description="How often an idle model replica looks "
         "for a job it can fit, seconds.")
+    batch_max_file_bytes: int = Field(
+        200 * 1024 * 1024, ge=1, description="The largest file `POST /v1/files` takes (the "
+        "Batch API's input), bytes; a larger one gets 413 `body_too_large`. It is streamed "
+        "into the job store's Redis, never held whole in memory.")
+    batch_max_lines: int = Field(
+        50_000, ge=1, description="Most requests (lines) one batch input file may hold; more "
+        "get 400 `too_many_lines` at upload.")
+    batch_window: int = Field(
+        64, ge=1, description="Most lines of one batch queued or running as durable jobs at "
+        "once: the rest wait in the batch, so a large batch never fills `max_queued`.")

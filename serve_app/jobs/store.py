@@ -163,6 +163,11 @@ class JobStore:
                          for name in ("SUBMIT", "GET", "HEAD", "CLAIM", "CANCEL", "FINISH",
                                       "REQUEUE", "RECOVER", "SET_REQUEST")}
 
+    @property
+    def client(self) -> aioredis.Redis:
+        """The Redis client the store uses (the Batch API keeps its files there too)."""
+        return self._client
+
     def key(self, *parts: str) -> str:
         """The full key of ``parts``: ``key("job", id)`` -> ``"{prefix}:{namespace}:job:{id}"``."""
         return self.base + ":".join(parts)

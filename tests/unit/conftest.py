@@ -12,8 +12,9 @@ import functools
 import importlib
 import importlib.util
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -69,6 +70,17 @@ class FakeClock:
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
+
+
+@pytest.fixture
+async def client(redis_url: str) -> AsyncIterator[Any]:
+    """A ``redis.asyncio`` client (bytes) of the session's real redis-server
+    (``redis_url``); each test keeps to its own namespace or key prefix."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.from_url(redis_url)
+    yield client
+    await client.aclose()
 
 
 # --- queues and controllers checked for the idle invariants ---------------------------------

@@ -23,13 +23,6 @@ def body(n: int) -> str:
 
 
 @pytest.fixture
-async def client(redis_url):
-    client = aioredis.from_url(redis_url)
-    yield client
-    await client.aclose()
-
-
-@pytest.fixture
 async def make_store(client, clock):
     """``make_store(namespace=None, **JobStore kwargs)``: stores on the fake clock, each in a
     fresh namespace unless one is given; their keys are deleted after the test."""
