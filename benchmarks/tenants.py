@@ -2,7 +2,7 @@
 and a batch flood beside interactive traffic. Loopback only; every run stops by itself;
 prints three tables (the load-test report's tenants section).
 
-    python -m benchmarks.tenants [--seconds 30] [--jobs 500]
+    python -m benchmarks.tenants [--seconds 30] [--jobs 500] [--batch-lines 1000]
 
 One replica of the fake engine: every request leases ``REQUEST_MIB`` of a ``BUDGET_MIB``
 budget and runs in a forward pass of ``PASS_S`` that those admitted together share (dynamic
@@ -18,14 +18,16 @@ tenant's key, and read the replica's queue wait from ``X-Queue-Wait-Ms``.
   byte-seconds each was served over the run (``/v1/status``), goal 3:1 within 10 %.
 - **Batch flood**: B's interactive load at ``INTERACTIVE_RPS`` (3/4 of the capacity) alone,
   then beside ``--jobs`` durable jobs of A (batch class by default) submitted just before
-  it; the interactive p99 latency with the flood within 1.2x of it without, and how long
-  the jobs took to finish after the interactive load stopped.
+  it, then beside a Batch API batch of A of ``--batch-lines`` embeddings; the interactive
+  p99 latency with each flood within 1.2x of it without, and how long the flood took to
+  finish after the interactive load stopped.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import tempfile
 import time
@@ -192,24 +194,57 @@ async def _finished(base_url: str, ids: list[str]) -> dict[str, int]:
     return statuses
 
 
-def batch_flood(base_url: str, seconds: float, jobs: int) -> list[list[str]]:
-    """B's interactive load alone, then beside ``jobs`` durable jobs of A."""
+async def _batch(base_url: str, lines: int) -> str:
+    """One Batch API batch of A of ``lines`` embeddings (``/v1/files``, ``/v1/batches``)."""
+    body = "".join(json.dumps({"custom_id": f"line-{i}", "method": "POST",
+                               "url": "/v1/embeddings", "body": {"input": f"line {i}"}}) + "\n"
+                   for i in range(lines))
+    async with httpx.AsyncClient(base_url=base_url, timeout=60, headers=bearer("A")) as http:
+        upload = await http.post("/v1/files", data={"purpose": "batch"},
+                                 files={"file": ("lines.jsonl", body.encode())})
+        assert upload.status_code == 200, upload.text
+        batch = await http.post("/v1/batches", json={
+            "input_file_id": upload.json()["id"], "endpoint": "/v1/embeddings",
+            "completion_window": "24h"})
+        assert batch.status_code == 200, batch.text
+        return batch.json()["id"]
+
+
+async def _batch_finished(base_url: str, batch_id: str) -> dict[str, int]:
+    """Waits until the batch is final; its status and line counts."""
+    async with httpx.AsyncClient(base_url=base_url, timeout=60, headers=bearer("A")) as http:
+        while (batch := (await http.get(f"/v1/batches/{batch_id}")).json())["status"] not in (
+                "completed", "failed", "cancelled", "expired"):
+            await asyncio.sleep(0.5)
+    counts = batch["request_counts"]
+    return {batch["status"]: 1, "lines completed": counts["completed"],
+            "lines failed": counts["failed"]}
+
+
+def batch_flood(base_url: str, seconds: float, jobs: int,
+                batch_lines: int) -> list[list[str]]:
+    """B's interactive load alone, beside ``jobs`` durable jobs of A, and beside a Batch API
+    batch of A of ``batch_lines`` lines."""
+    floods = [("-", None, None),
+              (f"{jobs} jobs", lambda: _flood(base_url, jobs),
+               lambda ids: _finished(base_url, ids)),
+              (f"{batch_lines}-line batch", lambda: _batch(base_url, batch_lines),
+               lambda batch_id: _batch_finished(base_url, batch_id))]
     rows = []
-    for flooded in (False, True):
-        progress(f"tenants: interactive load{' beside a batch flood' if flooded else ''}")
+    for name, submit, finished in floods:
+        progress(f"tenants: interactive load beside {name}")
         _deployed(base_url, "fair", {"A": 1.0, "B": 1.0})
-        ids = asyncio.run(_flood(base_url, jobs)) if flooded else []
+        flood = asyncio.run(submit()) if submit else None
         answers = asyncio.run(open_loop(base_url, {"B": INTERACTIVE_RPS}, seconds))
         stopped = time.monotonic()
-        statuses = asyncio.run(_finished(base_url, ids))
+        ended = asyncio.run(finished(flood)) if finished else {}
         after_s = time.monotonic() - stopped
         undeploy()
         served = [a.latency_s for a in answers if a.status == 200]
-        rows.append([f"{jobs if flooded else 0}", str(len(answers)),
-                     str(len(answers) - len(served)), f"{sorted(served)[len(served) // 2]:.3f}",
-                     f"{p99(served):.3f}",
-                     ", ".join(f"{s} {n}" for s, n in sorted(statuses.items())) or "-",
-                     f"{after_s:.1f}" if flooded else "-"])
+        rows.append([name, str(len(answers)), str(len(answers) - len(served)),
+                     f"{sorted(served)[len(served) // 2]:.3f}", f"{p99(served):.3f}",
+                     ", ".join(f"{s} {n}" for s, n in sorted(ended.items())) or "-",
+                     f"{after_s:.1f}" if finished else "-"])
     return rows
 
 
@@ -219,12 +254,12 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
             *("| " + " | ".join(row) + " |" for row in rows)]
 
 
-def run(base_url: str, seconds: float, jobs: int) -> dict[str, Any]:
+def run(base_url: str, seconds: float, jobs: int, batch_lines: int) -> dict[str, Any]:
     """Every run on the Serve at ``base_url``; the figures :func:`section_lines` shows."""
-    return {"seconds": seconds, "jobs": jobs,
+    return {"seconds": seconds, "jobs": jobs, "batch_lines": batch_lines,
             "neighbours": noisy_neighbour(base_url, seconds),
             "split": weighted_split(base_url, seconds),
-            "flood": batch_flood(base_url, seconds, jobs)}
+            "flood": batch_flood(base_url, seconds, jobs, batch_lines)}
 
 
 def verdicts(section: dict[str, Any]) -> list[str]:
@@ -232,17 +267,17 @@ def verdicts(section: dict[str, Any]) -> list[str]:
     alone, fair, fifo = (float(row[8]) for row in section["neighbours"])
     b_refused = int(section["neighbours"][1][7])
     off = abs(float(section["split"][2]) / 3 - 1)
-    quiet, flooded = (float(row[4]) for row in section["flood"])
-    ended = section["flood"][1][5]
+    quiet, *flooded = (float(row[4]) for row in section["flood"])
     return [
         f"- Noisy neighbour, fair: B's p99 wait {fair:.2f} s = {fair / alone:.2f}x its "
         f"{alone:.2f} s alone (goal <= 1.5x: {'holds' if fair <= 1.5 * alone else 'missed'}), "
         f"B refused {b_refused} times (goal 0); fifo: B's p99 wait {fifo:.2f} s.",
         f"- Weights 3:1: A / B = {section['split'][2]} ({off:.1%} off, goal <= 10 %: "
         f"{'holds' if off <= 0.10 else 'missed'}).",
-        f"- Batch flood: interactive p99 {flooded:.3f} s = {flooded / quiet:.2f}x its "
-        f"{quiet:.3f} s without (goal <= 1.2x: "
-        f"{'holds' if flooded <= 1.2 * quiet else 'missed'}); jobs: {ended}.",
+        *(f"- Beside {row[0]}: interactive p99 {p99_s:.3f} s = {p99_s / quiet:.2f}x its "
+          f"{quiet:.3f} s without (goal <= 1.2x: "
+          f"{'holds' if p99_s <= 1.2 * quiet else 'missed'}); {row[5]}."
+          for row, p99_s in zip(section["flood"][1:], flooded, strict=True)),
     ]
 
 
@@ -267,11 +302,12 @@ def section_lines(section: dict[str, Any]) -> list[str]:
         *table(["A byte-s", "B byte-s", "A / B", "off 3:1 by"], [section["split"]]),
         "",
         f"Batch flood: B's interactive load at {INTERACTIVE_RPS:g} req/s alone, then beside "
-        f"{section['jobs']} durable jobs of A (batch class) submitted just before it; "
-        "latencies of the interactive requests.",
+        f"{section['jobs']} durable jobs of A (batch class) submitted just before it, then "
+        f"beside a Batch API batch of A of {section['batch_lines']} embeddings lines "
+        "created just before it; latencies of the interactive requests.",
         "",
-        *table(["jobs", "interactive sent", "refused", "p50 s", "p99 s", "jobs ended",
-                "jobs done after load stopped, s"], section["flood"]),
+        *table(["flood", "interactive sent", "refused", "p50 s", "p99 s", "flood ended",
+                "flood done after load stopped, s"], section["flood"]),
         "",
     ]
 
@@ -280,10 +316,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--jobs", type=int, default=500)
+    parser.add_argument("--batch-lines", type=int, default=1000)
     options = parser.parse_args(argv)
     base_url = start_serve()
     try:
-        section = run(base_url, options.seconds, options.jobs)
+        section = run(base_url, options.seconds, options.jobs, options.batch_lines)
     finally:
         stop_serve()
     print("\n".join(section_lines(section)))

@@ -57,8 +57,9 @@ from loadtest.runner import (
 )
 from loadtest.scenarios import BASELINES, SHAPES, SPIKE_MULTIPLE, Baseline
 
-TENANTS, TENANTS_QUICK = (30.0, 500), (10.0, 100)
-"""The tenants section's seconds per run and durable jobs in its flood (full, ``--quick``)."""
+TENANTS, TENANTS_QUICK = (30.0, 500, 1000), (10.0, 100, 200)
+"""The tenants section's seconds per run, durable jobs in its flood and lines in its Batch API
+batch (full, ``--quick``)."""
 UNBOUNDED_ONGOING = 1000  # max_ongoing_requests of the diagnostic spike run: above any queue
 
 
