@@ -2,7 +2,8 @@
 (:class:`BatchDriver`), one :class:`BatchRun` per batch, through its statuses.
 
 - ``validating``: every line checked as the route would (:func:`validate_lines`); one bad
-  line fails the batch with ``errors`` naming the lines.
+  line fails the batch with ``errors`` naming the lines (a line for another ``url`` or an
+  unserved ``model`` is kept as an error line instead).
 - ``in_progress``: lines are submitted in file order as durable jobs of the batch's tenant,
   at most ``jobs.batch_window`` queued or running at once, each with the Idempotency-Key
   ``batch:{batch_id}:{custom_id}`` (so a line is one job, however often it is submitted);
@@ -30,7 +31,13 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
-from deployments.http.batch_lines import error_line, line_key, result_line, validate_lines
+from deployments.http.batch_lines import (
+    error_line,
+    line_key,
+    result_line,
+    unrun_line,
+    validate_lines,
+)
 from deployments.http.http_errors import validation_error
 from deployments.http.jobs_http import JobsFront, JobsRoutes
 from serve_app.admission.fair import DEFAULT_TENANT
@@ -154,8 +161,10 @@ class BatchRun:
         tenant = await self._batches.tenant(self._id) or DEFAULT_TENANT
         for line in await self._batches.lines(self._id, cursor, cursor + max(0, free)):
             custom_id, job_id = line["custom_id"], None
-            if custom_id not in running and not await self._batches.recorded(self._id,
-                                                                             custom_id):
+            if "error" in line:  # made an error line by validation: nothing to run
+                await self._record(custom_id, error_line(custom_id, **line["error"]), True)
+            elif custom_id not in running and not await self._batches.recorded(self._id,
+                                                                               custom_id):
                 try:
                     job_id = await self._submit(batch, line, tenant)
                 except OverloadedError:
@@ -201,8 +210,8 @@ class BatchRun:
         for start in range(0, total, 500):
             for line in await self._batches.lines(self._id, start, start + 500):
                 if not await self._batches.recorded(self._id, line["custom_id"]):
-                    await self._record(line["custom_id"],
-                                       error_line(line["custom_id"], code, message), True)
+                    await self._record(line["custom_id"], unrun_line(line, code, message),
+                                       True)
         await self._end(batch, {leaving}, to, **await self._write_files(batch))
 
     async def _write_files(self, batch: Batch) -> dict[str, str | None]:

@@ -24,6 +24,9 @@ from serve_app.jobs.view import JobStatus, JobView
 
 MAX_ERRORS = 100
 """The most line errors one failed batch lists (the first ones, in file order)."""
+LINE_ERRORS = frozenset({"model_not_found"})
+"""Refusals of a well-formed line that make it an error line rather than fail the batch
+(its ``model`` is not served here), as a ``url`` other than the batch's endpoint does."""
 
 
 @dataclass
@@ -35,17 +38,25 @@ class CheckedLines:
     errors: list[BatchError] = field(default_factory=list)
 
     def refuse(self, number: int, error: ServeAppError, param: str | None = None) -> None:
+        """Line ``number`` is malformed: it fails the batch."""
         if len(self.errors) < MAX_ERRORS:
             self.errors.append(BatchError(code=error.code, message=error.message,
                                           line=number, param=param))
 
+    def fail_line(self, custom_id: str, error: ServeAppError) -> None:
+        """The line is well formed but not for this batch (another ``url``, a ``model`` not
+        served): it becomes an error line and the batch runs the others."""
+        self.lines.append(json.dumps({"custom_id": custom_id, "error": {
+            "code": error.code, "message": error.message}}, separators=(",", ":")))
+
 
 async def validate_lines(batch: Batch, files: FileStore, jobs: JobsRoutes) -> CheckedLines:
     """Check every line of the batch's input file: its fields (:class:`BatchLine`, unknown
-    ones refused), ``url`` equal to the batch's endpoint, ``custom_id`` unique, and its body
-    validated, tokenized and priced exactly as a job on that route
-    (:meth:`JobsRoutes.parsed`, :meth:`~deployments.http.jobs_http.JobsFront.price`): the
-    same error codes."""
+    ones refused), ``custom_id`` unique, and its body validated, tokenized and priced exactly
+    as a job on that route (:meth:`JobsRoutes.parsed`,
+    :meth:`~deployments.http.jobs_http.JobsFront.price`): the same error codes; any of these
+    wrong fails the batch. A line whose ``url`` is not the batch's endpoint, or whose
+    ``model`` no model here serves (:data:`LINE_ERRORS`), is kept as an error line instead."""
     checked, seen = CheckedLines(), set()
     async for number, raw in files.lines(batch.input_file_id):
         if number % 100 == 0:
@@ -56,16 +67,19 @@ async def validate_lines(batch: Batch, files: FileStore, jobs: JobsRoutes) -> Ch
             error = validation_error(exc.errors())
             checked.refuse(number, error, error.code)
             continue
-        if line.url != batch.endpoint:
-            checked.refuse(number, InvalidRequestError(
-                f"url {line.url!r} is not the batch's endpoint {batch.endpoint!r}",
-                code="invalid_url"), "url")
-        elif line.custom_id in seen:
+        if line.custom_id in seen:
             checked.refuse(number, InvalidRequestError(
                 f"custom_id {line.custom_id!r} appears on an earlier line",
                 code="duplicate_custom_id"), "custom_id")
+        elif line.url != batch.endpoint:
+            checked.fail_line(line.custom_id, InvalidRequestError(
+                f"url {line.url!r} is not the batch's endpoint {batch.endpoint!r}",
+                code="invalid_url"))
         elif (refusal := await _refusal(jobs, line)) is not None:
-            checked.refuse(number, refusal, refusal.code)
+            if refusal.code in LINE_ERRORS:
+                checked.fail_line(line.custom_id, refusal)
+            else:
+                checked.refuse(number, refusal, refusal.code)
         else:
             checked.lines.append(json.dumps({"custom_id": line.custom_id, "body": line.body},
                                             separators=(",", ":")))
@@ -117,6 +131,13 @@ def result_line(custom_id: str, job: JobView | None) -> tuple[dict[str, Any], bo
         return error_line(custom_id, "batch_cancelled", "the batch was cancelled before "
                           "this line ran"), True
     return None
+
+
+def unrun_line(line: dict[str, Any], code: str, message: str) -> dict[str, Any]:
+    """The error line of a stored ``line`` that will not run: its own error when validation
+    made it an error line, else ``code`` and ``message`` (cancelled, expired, refused)."""
+    error = line.get("error") or {"code": code, "message": message}
+    return error_line(line["custom_id"], error["code"], error["message"])
 
 
 def error_line(custom_id: str, code: str, message: str) -> dict[str, Any]:

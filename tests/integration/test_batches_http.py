@@ -3,19 +3,30 @@ file uploaded (``files.create(purpose="batch")``), a batch created, polled to ``
 its output downloaded (``files.content``): the same answers as the same requests answered at
 once, every ``custom_id`` exactly once across the output and error files. Bad files and
 lines are refused at the right step (upload, or the batch's validation) while the service
-keeps serving; a cancel keeps the finished lines; a batch survives its app being deleted and
-deployed again mid-run (its state in the embedded Redis's append-only file)."""
+keeps serving, and lines for another url or an unserved model become error lines; a cancel
+keeps the finished lines; a batch survives its app being deleted and deployed again mid-run
+(its state in the embedded Redis's append-only file), and its Redis killed mid-run."""
 
 from __future__ import annotations
 
-import json
+import os
+import signal
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from ray import serve
 
+from tests.integration.batch_client import (
+    batch_line,
+    batch_results,
+    create_batch,
+    jsonl,
+    run_batch,
+    wait_batch,
+)
 from tests.support import fake_app_args
 
 ARGS = fake_app_args(
@@ -26,7 +37,6 @@ ARGS = fake_app_args(
     deployment={"ingress_replicas": 2},
     jobs={"batch_max_file_bytes": 256 * 1024, "batch_max_lines": 1000, "batch_window": 16,
           "poll_interval_s": 0.05})
-FINAL = ("completed", "failed", "cancelled", "expired")
 
 
 @pytest.fixture(scope="module")
@@ -41,61 +51,16 @@ def sdk(app):
         yield sdk
 
 
-def _line(custom_id: str, body: dict, url: str = "/v1/embeddings", **extra) -> dict:
-    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body, **extra}
-
-
-def _jsonl(lines: list[dict]) -> bytes:
-    return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
-
-
-def _run(sdk: openai.OpenAI, lines: list[dict], endpoint: str = "/v1/embeddings",
-         timeout_s: float = 120.0):
-    """Upload ``lines``, create their batch, poll it to a final status; the batch."""
-    batch = _create(sdk, lines, endpoint)
-    return _wait(sdk, batch.id, timeout_s)
-
-
-def _create(sdk: openai.OpenAI, lines: list[dict], endpoint: str = "/v1/embeddings"):
-    file = sdk.files.create(file=("in.jsonl", _jsonl(lines)), purpose="batch")
-    assert file.purpose == "batch" and file.bytes == len(_jsonl(lines))
-    batch = sdk.batches.create(input_file_id=file.id, endpoint=endpoint,
-                               completion_window="24h", metadata={"test": "yes"})
-    assert batch.status == "validating" and batch.metadata == {"test": "yes"}
-    return batch
-
-
-def _wait(sdk: openai.OpenAI, batch_id: str, timeout_s: float = 120.0):
-    deadline = time.monotonic() + timeout_s
-    while (batch := sdk.batches.retrieve(batch_id)).status not in FINAL:
-        assert time.monotonic() < deadline, batch
-        time.sleep(0.2)
-    return batch
-
-
-def _results(sdk: openai.OpenAI, batch) -> tuple[dict[str, dict], dict[str, dict]]:
-    """The output and error lines by ``custom_id``; none appears twice, or in both."""
-    found = []
-    for file_id in (batch.output_file_id, batch.error_file_id):
-        text = sdk.files.content(file_id).content if file_id else b""
-        lines = [json.loads(line) for line in text.splitlines()]
-        ids = [line["custom_id"] for line in lines]
-        assert len(ids) == len(set(ids)), "a custom_id twice in one file"
-        found.append({line["custom_id"]: line for line in lines})
-    assert not set(found[0]) & set(found[1]), "a custom_id in both files"
-    return found[0], found[1]
-
-
 def test_an_embeddings_batch_equals_the_requests_answered_at_once(sdk):
     inputs = {f"emb-{i}": f"batch sentence {i} " + "w " * (i % 7) for i in range(48)}
-    batch = _run(sdk, [_line(cid, {"model": "fake", "input": text})
+    batch = run_batch(sdk, [batch_line(cid, {"model": "fake", "input": text})
                        for cid, text in inputs.items()])
     assert batch.status == "completed", batch.errors
     assert batch.error_file_id is None
     counts = batch.request_counts
     assert (counts.total, counts.completed, counts.failed) == (48, 48, 0)
     assert batch.in_progress_at and batch.finalizing_at and batch.completed_at
-    output, errors = _results(sdk, batch)
+    output, errors = batch_results(sdk, batch)
     assert set(output) == set(inputs) and not errors
     for cid, text in inputs.items():
         direct = sdk.embeddings.create(model="fake", input=text).data[0].embedding
@@ -108,10 +73,10 @@ def test_an_embeddings_batch_equals_the_requests_answered_at_once(sdk):
 def test_a_completions_batch_equals_greedy_answers_at_once(sdk):
     prompts = {f"cmp-{i}": f"tell me about number {i}" for i in range(10)}
     body = {"model": "fake", "max_tokens": 8, "temperature": 0}
-    batch = _run(sdk, [_line(cid, {**body, "prompt": p}, url="/v1/completions")
+    batch = run_batch(sdk, [batch_line(cid, {**body, "prompt": p}, url="/v1/completions")
                        for cid, p in prompts.items()], endpoint="/v1/completions")
     assert batch.status == "completed", batch.errors
-    output, errors = _results(sdk, batch)
+    output, errors = batch_results(sdk, batch)
     assert set(output) == set(prompts) and not errors
     for cid, prompt in prompts.items():
         direct = sdk.completions.create(prompt=prompt, **body).choices[0].text
@@ -152,15 +117,13 @@ def test_bad_files_are_refused_at_upload_and_the_service_keeps_serving(sdk, app)
 
 
 @pytest.mark.parametrize(("bad", "code", "param"), [
-    (_line("b", {"input": "x"}, colour="red"), "colour", "colour"),
-    (_line("b", {"input": "x"}, url="/v1/completions"), "invalid_url", "url"),
-    (_line("a", {"input": "x"}), "duplicate_custom_id", "custom_id"),
-    (_line("b", {"input": []}), "input", "input"),
-    (_line("b", {"input": "x", "model": "nope"}), "model_not_found", "model_not_found"),
+    (batch_line("b", {"input": "x"}, colour="red"), "colour", "colour"),
+    (batch_line("a", {"input": "x"}), "duplicate_custom_id", "custom_id"),
+    (batch_line("b", {"input": []}), "input", "input"),
 ])
 def test_a_bad_line_fails_the_batch_naming_the_line(sdk, bad, code, param):
-    lines = [_line("a", {"input": "fine"}), bad, _line("c", {"input": "fine too"})]
-    batch = _run(sdk, lines)
+    lines = [batch_line("a", {"input": "fine"}), bad, batch_line("c", {"input": "fine too"})]
+    batch = run_batch(sdk, lines)
     assert batch.status == "failed" and batch.failed_at
     assert batch.output_file_id is None and batch.request_counts.completed == 0
     [error] = batch.errors.data
@@ -168,18 +131,38 @@ def test_a_bad_line_fails_the_batch_naming_the_line(sdk, bad, code, param):
     assert sdk.embeddings.create(model="fake", input="still serving").data
 
 
+def test_lines_for_another_url_or_an_unserved_model_are_error_lines(sdk):
+    """Well-formed lines that are not for this batch (another route, a model not served)
+    are not a malformed file: each gets an error line with the route's code, and the batch
+    runs the others to ``completed``."""
+    lines = [batch_line("a", {"input": "fine"}),
+             batch_line("u", {"input": "x"}, url="/v1/completions"),
+             batch_line("m", {"input": "x", "model": "nope"}),
+             batch_line("c", {"input": "fine too"})]
+    batch = run_batch(sdk, lines)
+    assert batch.status == "completed" and batch.errors is None
+    counts = batch.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (4, 2, 2)
+    output, errors = batch_results(sdk, batch)
+    assert set(output) == {"a", "c"}
+    assert {cid: line["error"]["code"] for cid, line in errors.items()} == {
+        "u": "invalid_url", "m": "model_not_found"}
+    assert errors["u"]["response"] is None and "/v1/completions" in errors["u"]["error"][
+        "message"]
+
+
 def test_cancel_keeps_finished_lines_and_gives_the_rest_errors(sdk):
-    lines = [_line(f"c-{i}", {"input": f"cancel me {i} " + "w " * 30}) for i in range(200)]
-    batch = _create(sdk, lines)
+    lines = [batch_line(f"c-{i}", {"input": f"cancel me {i} " + "w " * 30}) for i in range(200)]
+    batch = create_batch(sdk, lines)
     deadline = time.monotonic() + 60
     while sdk.batches.retrieve(batch.id).request_counts.completed < 5:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     cancelling = sdk.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled", "completed")
-    batch = _wait(sdk, batch.id)
+    batch = wait_batch(sdk, batch.id)
     assert batch.status == "cancelled" and batch.cancelled_at and batch.cancelling_at
-    output, errors = _results(sdk, batch)
+    output, errors = batch_results(sdk, batch)
     assert set(output) | set(errors) == {line["custom_id"] for line in lines}
     assert len(output) >= 5 and len(errors) > 0, (len(output), len(errors))
     assert {line["error"]["code"] for line in errors.values()} == {"batch_cancelled"}
@@ -188,11 +171,11 @@ def test_cancel_keeps_finished_lines_and_gives_the_rest_errors(sdk):
 
 
 def test_files_and_batches_list_and_delete(sdk, app):
-    file = sdk.files.create(file=("list.jsonl", _jsonl([_line("x", {"input": "y"})])),
+    file = sdk.files.create(file=("list.jsonl", jsonl([batch_line("x", {"input": "y"})])),
                             purpose="batch")
     assert file.id in [f.id for f in sdk.files.list()]
     assert sdk.files.retrieve(file.id).filename == "list.jsonl"
-    assert sdk.files.content(file.id).content == _jsonl([_line("x", {"input": "y"})])
+    assert sdk.files.content(file.id).content == jsonl([batch_line("x", {"input": "y"})])
     made = [sdk.batches.create(input_file_id=file.id, endpoint="/v1/embeddings",
                                completion_window="24h").id for _ in range(3)]
     page = sdk.batches.list(limit=2)
@@ -200,7 +183,7 @@ def test_files_and_batches_list_and_delete(sdk, app):
     after = sdk.batches.list(limit=1, after=made[1])
     assert [b.id for b in after.data] == [made[0]]
     for batch_id in made:
-        assert _wait(sdk, batch_id).status == "completed"
+        assert wait_batch(sdk, batch_id).status == "completed"
     assert sdk.files.delete(file.id).deleted
     with pytest.raises(openai.NotFoundError):
         sdk.files.retrieve(file.id)
@@ -213,8 +196,8 @@ def test_files_and_batches_list_and_delete(sdk, app):
 
 
 def test_a_batch_survives_its_app_deleted_and_deployed_again(sdk, app, deploy):
-    lines = [_line(f"r-{i}", {"input": f"restart {i} " + "w " * 40}) for i in range(150)]
-    batch = _create(sdk, lines)
+    lines = [batch_line(f"r-{i}", {"input": f"restart {i} " + "w " * 40}) for i in range(150)]
+    batch = create_batch(sdk, lines)
     deadline = time.monotonic() + 60
     while (done := sdk.batches.retrieve(batch.id).request_counts.completed) < 10:
         assert time.monotonic() < deadline
@@ -223,37 +206,52 @@ def test_a_batch_survives_its_app_deleted_and_deployed_again(sdk, app, deploy):
     app = deploy(ARGS)
     with openai.OpenAI(base_url=f"{app.base_url}/v1", api_key="unused", max_retries=0,
                        timeout=60) as again:
-        batch = _wait(again, batch.id, timeout_s=180)
+        batch = wait_batch(again, batch.id, timeout_s=180)
         assert batch.status == "completed", batch
-        output, errors = _results(again, batch)
+        output, errors = batch_results(again, batch)
     assert set(output) == {line["custom_id"] for line in lines} and not errors
     assert done < 150, "the batch finished before the restart: nothing was tested"
     print(f"\n{done} of 150 lines done before the restart")
 
 
-def test_a_chat_batch_equals_greedy_answers_at_once(sdk):
-    asks = {f"chat-{i}": f"what is {i} plus {i}" for i in range(10)}
-    body = {"model": "fake", "max_tokens": 8, "temperature": 0}
-    lines = [_line(cid, {**body, "messages": [{"role": "user", "content": ask}]},
-                   url="/v1/chat/completions") for cid, ask in asks.items()]
-    batch = _run(sdk, lines, endpoint="/v1/chat/completions")
-    assert batch.status == "completed", batch.errors
-    output, errors = _results(sdk, batch)
-    assert set(output) == set(asks) and not errors
-    for cid, ask in asks.items():
-        direct = sdk.chat.completions.create(
-            messages=[{"role": "user", "content": ask}], **body).choices[0].message.content
-        assert output[cid]["response"]["body"]["choices"][0]["message"]["content"] == direct
+def test_a_batch_survives_its_redis_killed_mid_run(sdk, app):
+    """The embedded Redis killed (SIGKILL) while a batch runs: the broker starts it again on
+    its append-only file, the driver picks the batch up from its records, and every line is
+    answered exactly once, none in the error file."""
+    lines = [batch_line(f"k-{i}", {"input": f"redis {i} " + "w " * 40}) for i in range(150)]
+    batch = create_batch(sdk, lines)
+    deadline = time.monotonic() + 60
+    while (done := sdk.batches.retrieve(batch.id).request_counts.completed) < 10:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    pid_path = Path(app.args["jobs"]["data_dir"]) / "fake" / "redis.pid"
+    killed_pid = int(pid_path.read_text())
+    os.kill(killed_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 180
+    while True:  # while the Redis is down the routes answer 503 jobs_unavailable
+        try:
+            batch = wait_batch(sdk, batch.id, timeout_s=180)
+            break
+        except openai.APIStatusError as exc:
+            assert exc.status_code == 503 and exc.body["code"] == "jobs_unavailable", exc
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    assert batch.status == "completed", batch
+    output, errors = batch_results(sdk, batch)
+    assert set(output) == {line["custom_id"] for line in lines} and not errors
+    assert int(pid_path.read_text()) != killed_pid
+    assert done < 150, "the batch finished before the kill: nothing was tested"
+    print(f"\n{done} of 150 lines done before the kill")
 
 
 def test_a_thousand_line_batch_completes_each_line_once(sdk):
     """The issue's scale: 1,000 embeddings lines, each answered once, in a time the report
     prints (the fake engine: the job path's own overhead)."""
-    lines = [_line(f"k-{i}", {"input": f"line {i} of a thousand"}) for i in range(1000)]
+    lines = [batch_line(f"k-{i}", {"input": f"line {i} of a thousand"}) for i in range(1000)]
     started = time.monotonic()
-    batch = _run(sdk, lines, timeout_s=300)
+    batch = run_batch(sdk, lines, timeout_s=300)
     assert batch.status == "completed", batch.errors
-    output, errors = _results(sdk, batch)
+    output, errors = batch_results(sdk, batch)
     assert set(output) == {line["custom_id"] for line in lines} and not errors
     assert all(line["response"]["status_code"] == 200 for line in output.values())
     print(f"\n1000 lines in {time.monotonic() - started:.1f} s")

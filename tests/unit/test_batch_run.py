@@ -1,7 +1,7 @@
 """A batch's run without model replicas, on a real redis-server: past its completion window
 every line not recorded gets a ``batch_expired`` error line and the batch ends ``expired``
 with its error file; a cancelled batch ends ``cancelled`` the same way; lines no model here
-serves fail the batch in validation, naming each line."""
+serves become error lines and the batch completes."""
 
 from __future__ import annotations
 
@@ -76,12 +76,26 @@ async def test_a_cancelled_batch_gives_its_lines_errors(parts):
     assert set((await _error_codes(parts, batch)).values()) == {"batch_cancelled"}
 
 
-async def test_lines_no_model_serves_fail_the_batch_in_validation(parts):
+async def test_lines_no_model_serves_are_error_lines_and_the_batch_completes(parts):
+    """A well-formed line naming a model not served here is not a malformed file: it gets
+    an error line with the route's code and the batch runs (and ends) without it."""
     batch = await _batch(parts, BatchStatus.VALIDATING, 3)
     batch = await BatchRun(parts, batch.id).run()
-    assert batch.status is BatchStatus.FAILED and batch.failed_at
-    assert [(e.line, e.code) for e in batch.errors.data] == [
-        (1, "model_not_found"), (2, "model_not_found"), (3, "model_not_found")]
+    assert batch.status is BatchStatus.COMPLETED and batch.errors is None
+    assert (batch.request_counts.total, batch.request_counts.completed,
+            batch.request_counts.failed) == (3, 0, 3)
+    assert batch.output_file_id is None
+    assert await _error_codes(parts, batch) == {f"c{i}": "model_not_found" for i in range(3)}
+
+
+async def test_a_line_made_an_error_line_keeps_its_error_when_the_batch_is_cancelled(parts):
+    batch = await _batch(parts, BatchStatus.IN_PROGRESS, 2)
+    await parts.batches.set_lines(batch.id, [
+        json.dumps({"custom_id": "c0", "body": {}}),
+        json.dumps({"custom_id": "c1", "error": {"code": "invalid_url", "message": "m"}})])
+    await parts.batches.transition(batch.id, {BatchStatus.IN_PROGRESS}, BatchStatus.CANCELLING)
+    batch = await BatchRun(parts, batch.id).run()
+    assert await _error_codes(parts, batch) == {"c0": "batch_cancelled", "c1": "invalid_url"}
 
 
 async def test_one_driver_takes_a_batch(parts):
