@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,35 +20,11 @@ import yaml
 from serve_app.config import parse_args
 from serve_app.memory.profiler import MemoryProfile
 from serve_app.planning import FALLBACK_MAX_RUNNING, plan_from_profile
-from tests.support import as_from_a_terminal, free_port, interrupt, wait_until_ready
+from tests.e2e.serve_process import RAY, ROOT, SERVE, config_file, serve_run
+from tests.support import free_port, interrupt, wait_until_ready
 
-ROOT = Path(__file__).resolve().parents[2]
-SERVE = Path(sys.executable).with_name("serve")
-RAY = Path(sys.executable).with_name("ray")
 EXIT_HANGUP = -signal.SIGHUP  # serve run stopped by vramgate (a shell shows 129)
 EXIT_TERM = 15  # ... and under nohup: Ray's driver exits with the SIGTERM's number
-
-
-def config_file(tmp: Path, source: str, port: int, runtime_env: dict | None = None,
-                **args: dict[str, Any]) -> Path:
-    """``source`` (a config of this repository) on 127.0.0.1:``port``, with its ``args:``
-    sections updated by ``args``."""
-    config = yaml.safe_load((ROOT / source).read_text())
-    config["http_options"] = {"host": "127.0.0.1", "port": port}
-    if runtime_env is not None:
-        config["applications"][0]["runtime_env"] = runtime_env
-    app_args = config["applications"][0]["args"]
-    for section, values in args.items():
-        app_args[section] = {**app_args.get(section, {}), **values}
-    path = tmp / f"{source.replace('/', '_')}-{port}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
-def serve_run(config: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen([str(SERVE), "run", str(config)], cwd=ROOT, env=env,
-                            stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True, preexec_fn=as_from_a_terminal)
 
 
 def _ignore_sighup() -> None:
