@@ -58,7 +58,8 @@ class GateFigures:
         busy_drain_bytes_per_s: the drain rate while the replica works (idle time left
             out), for predicted waits (``None`` before any lease ran).
         wait_margin_s: seconds added to predicted waits before refusing on them (the recent
-            errors' quantile, :mod:`serve_app.admission.calibration`).
+            errors' quantile, :mod:`serve_app.admission.calibration`), of the tenants that
+            have too few errors of their own (``tenants[t]["wait_margin_s"]``: their own).
         tenants: each tenant's share (:meth:`AdmissionController.tenant_figures`).
     """
 

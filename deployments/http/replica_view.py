@@ -94,9 +94,10 @@ class ReplicaView:
                                tenant: str = DEFAULT_TENANT) -> float | None:
         """The shortest wait a request of ``units`` should get on any replica before it
         starts (:func:`serve_app.admission.drain.predicted_wait_s` of each replica's
-        published gate, plus its published margin), ``None`` while no replica has a measured
-        rate or its price is unknown. ``ahead_units``: requests of this ingress still waiting
-        for a replica (in Ray Serve's handle queue), which will queue ahead of it.
+        published gate, plus the margin it publishes for ``tenant``), ``None`` while no
+        replica has a measured rate or its price is unknown. ``ahead_units``: requests of
+        this ingress still waiting for a replica (in Ray Serve's handle queue), which will
+        queue ahead of it.
         ``generates``: a completion, which on a replica with continuous batching joins the
         running batch once its own bytes are free; anything else runs after the work leased
         before it. ``tenant``: whose request it is; what is queued ahead of it is its share
@@ -108,7 +109,7 @@ class ReplicaView:
         states = await self.states()
         ahead = ahead_units / max(1, len(states))  # the router spreads them over the replicas
         waits = [(_predicted_wait_s(s, _ahead_of(s.gate, tenant, ahead + units), units,
-                                    generates), s.gate.wait_margin_s) for s in states]
+                                    generates), _margin_s(s.gate, tenant)) for s in states]
         known = [wait + margin for wait, margin in waits if wait is not None]
         return min(known) if known and len(known) == len(waits) else None
 
@@ -142,6 +143,13 @@ def _ahead_of(gate: GateFigures, tenant: str, units: float) -> float:
     weights = {t: float(f["weight"]) for t, f in gate.tenants.items()}
     own = queued.get(tenant, 0) + units
     return own + share_ahead(weights, tenant, round(own), queued) - round(own)
+
+
+def _margin_s(gate: GateFigures, tenant: str) -> float:
+    """Seconds a replica adds to ``tenant``'s predicted waits before refusing on them: the
+    margin of its own recent errors (:class:`serve_app.admission.calibration.TenantCalibrations`)
+    where the replica publishes one, else the replica's shared margin."""
+    return float(gate.tenants.get(tenant, {}).get("wait_margin_s", gate.wait_margin_s))
 
 
 def _predicted_wait_s(state: ReplicaState, through: float, units: int,

@@ -192,7 +192,7 @@ class InferenceThread:
         predicted_s = ticket.admission.predicted_wait_s
         if predicted_s is not None:
             error_s = ticket.queue_wait_s - predicted_s
-            self._gate.queue.calibration.record(error_s)
+            self._gate.record_error(error_s, ticket.request.tenant, ticket.request.priority)
             self._metrics.observe("queue_wait_prediction_error_seconds", abs(error_s),
                                   side="longer" if error_s > 0 else "shorter")
         self._log.event("admitted", ticket.lease.nbytes, ticket.admission.request_id,
@@ -284,7 +284,8 @@ class InferenceThread:
                           reason=Reason.QUEUE_TIMEOUT)
         bounds_s = [t.request.wait_bound_s(self._admission.max_queue_wait_s) for t in tickets]
         for ticket, waited_s in zip(tickets, bounds_s, strict=True):
-            self._gate.record_timeout(waited_s, ticket.admission.predicted_wait_s)
+            self._gate.record_timeout(waited_s, ticket.admission.predicted_wait_s,
+                                      ticket.request.tenant, ticket.request.priority)
         bound_s = min(bounds_s)
         return OverloadedError(
             f"waited {bound_s:g} s for the inference thread without starting",

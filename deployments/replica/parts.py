@@ -174,7 +174,7 @@ class Replica:
             released_bytes_total=budget.released_bytes_total,
             drain_bytes_per_s=queue.drain.bytes_per_s(), thread_wait_s=self.thread_wait_s(),
             busy_drain_bytes_per_s=queue.drain.busy_bytes_per_s(),
-            wait_margin_s=queue.calibration.margin_s(), tenants=self.gate.tenant_figures())
+            wait_margin_s=queue.calibration.shared.margin_s(), tenants=self.gate.tenant_figures())
         identity, args = self.identity, self.args
         return ReplicaState(
             replica_id=identity.replica_id, node_id=identity.node_id, gpu_ids=identity.gpu_ids,

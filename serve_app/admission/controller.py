@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from serve_app.admission.budget import Lease, MemoryBudget
+from serve_app.admission.calibration import TenantCalibrations
 from serve_app.admission.drain import DrainRateEstimator
 from serve_app.admission.fair import DEFAULT_TENANT, FairShare, TenantQuota
 from serve_app.admission.priority import Priority
@@ -86,7 +87,8 @@ class AdmissionController:
             drain=DrainRateEstimator(drain_window_s, clock, prior_drain_bytes_per_s),
             on_admit=self._wake,
             on_change=self._moved, thread_wait_s=thread_wait_s,
-            refuse_predicted=refuse_predicted, fair=FairShare(weights, clock, quotas))
+            refuse_predicted=refuse_predicted, fair=FairShare(weights, clock, quotas),
+            calibration=TenantCalibrations({*(weights or {}), *(quotas or {})}))
 
     @property
     def budget(self) -> MemoryBudget:
@@ -117,7 +119,7 @@ class AdmissionController:
         """
         waited_s = max(0.0, waited_s)
         decision = self.queue.submit(nbytes, waited_s, wait_limit_s, after_in_flight,
-                                     tenant if self._fair_queue else DEFAULT_TENANT, priority)
+                                     self._fair_tenant(tenant), priority)
         if decision.outcome is Outcome.ADMITTED:
             return Admission(decision.lease, waited_s, 0,
                              predicted_wait_s=_after(waited_s, decision.predicted_wait_s))
@@ -162,7 +164,8 @@ class AdmissionController:
             if cancelled:
                 raise
             self.record_timeout(waited_s + self._clock() - waiter.enqueued_at,
-                                _after(waited_s, waiter.predicted_wait_s))
+                                _after(waited_s, waiter.predicted_wait_s), waiter.tenant,
+                                waiter.priority)
             raise OverloadedError(
                 f"waited {waiter.deadline - waiter.enqueued_at + waited_s:g} s for memory "
                 "without being admitted", code=Reason.QUEUE_TIMEOUT.value,
@@ -197,22 +200,38 @@ class AdmissionController:
     def tenant_figures(self) -> dict[str, dict[str, float]]:
         """Each tenant's share of this replica now (``/v1/status``, and the ingress's fair
         predictions): its weight, requests waiting and their bytes, bytes held, byte-seconds
-        served since start."""
+        served since start, and the seconds added to its interactive requests' predicted
+        waits before refusing on them (``wait_margin_s``)."""
         fair, backlog = self.queue.fair, self.queue.backlog()
-        now = self._clock()
+        now, margin_s = self._clock(), self.queue.calibration.margin_s
         return {t: {"weight": fair.weight(t), "waiting": backlog.get(t, (0, 0))[0],
                     "queued_bytes": backlog.get(t, (0, 0))[1], "held_bytes": fair.held_bytes(t),
-                    "served_byte_s": round(fair.served_byte_s(t, now), 3)}
+                    "served_byte_s": round(fair.served_byte_s(t, now), 3),
+                    "wait_margin_s": round(margin_s(self._fair_tenant(t)), 4)}
                 for t in sorted({*fair.tenants(), *backlog, DEFAULT_TENANT})}
 
-    def record_timeout(self, waited_s: float, predicted_wait_s: float | None) -> None:
-        """A request predicted to wait ``predicted_wait_s`` gave up after ``waited_s``
-        (``queue_timeout``): its prediction fell short by at least the difference. Counted
-        with the errors of admitted requests (:mod:`serve_app.admission.calibration`): left
-        out, the worst misses, those that made a client wait its whole limit in vain, would
-        never raise the margin."""
+    def record_error(self, error_s: float, tenant: str = DEFAULT_TENANT,
+                     priority: Priority = Priority.INTERACTIVE) -> None:
+        """A request of ``tenant`` and ``priority`` waited ``error_s`` seconds longer (< 0:
+        shorter) than predicted: the margin of its tenant's and class's predictions
+        (:class:`~serve_app.admission.calibration.TenantCalibrations`; under ``fifo``, one
+        for all)."""
+        self.queue.calibration.record(error_s, self._fair_tenant(tenant), priority)
+
+    def record_timeout(self, waited_s: float, predicted_wait_s: float | None,
+                       tenant: str = DEFAULT_TENANT,
+                       priority: Priority = Priority.INTERACTIVE) -> None:
+        """A request of ``tenant`` and ``priority`` predicted to wait ``predicted_wait_s``
+        gave up after ``waited_s`` (``queue_timeout``): its prediction fell short by at least
+        the difference. Counted with the errors of admitted requests (:meth:`record_error`):
+        left out, the worst misses, those that made a client wait its whole limit in vain,
+        would never raise the margin."""
         if predicted_wait_s is not None:
-            self.queue.calibration.record(waited_s - predicted_wait_s)
+            self.record_error(waited_s - predicted_wait_s, tenant, priority)
+
+    def _fair_tenant(self, tenant: str) -> str:
+        """The tenant ``tenant``'s requests queue as (under ``fifo``, the default one)."""
+        return tenant if self._fair_queue else DEFAULT_TENANT
 
     def release(self, lease: Lease, *, ran: bool = True) -> None:
         """Return a lease's bytes (idempotent) and admit whoever now fits.

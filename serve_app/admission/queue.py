@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
 
 from serve_app.admission.budget import Lease, MemoryBudget
-from serve_app.admission.calibration import WaitCalibration
+from serve_app.admission.calibration import TenantCalibrations
 from serve_app.admission.decision import Decision, Waiter
 from serve_app.admission.drain import (
     MAX_RETRY_AFTER_S,
@@ -77,7 +77,7 @@ class AdmissionQueue:
     on_change: Callable[[], None] | None = None
     thread_wait_s: Callable[[], float] = lambda: 0.0
     refuse_predicted: bool = True
-    calibration: WaitCalibration = field(default_factory=WaitCalibration)
+    calibration: TenantCalibrations = field(default_factory=TenantCalibrations)
     fair: FairShare = None  # type: ignore[assignment]  # default: equal weights, ``clock``
     _waiters: OrderedDict[int, Waiter] = field(default_factory=OrderedDict, init=False)
     _classes: dict[Priority, TenantLanes] = field(
@@ -161,10 +161,10 @@ class AdmissionQueue:
         left_s = self.time_left_s(waited_s, wait_limit_s)
         predicted_s = self.predicted_wait_s(nbytes, after_in_flight, tenant, priority)
         position = self._newcomer_position(tenant, nbytes, priority)
-        if predicted_s is not None and (self.refuse_predicted or wait_limit_s is not None):
-            refusal = self._refusal_by_prediction(nbytes, predicted_s, left_s, position)
-            if refusal is not None:
-                return refusal
+        refusal = self._refusal_by_prediction(nbytes, predicted_s, left_s, position,
+                                              wait_limit_s, tenant, priority)
+        if refusal is not None:
+            return refusal
         if not self._before(priority, inclusive=True)[0]:
             lease = self.budget.try_reserve(nbytes, tenant)
             if lease is not None:
@@ -199,13 +199,15 @@ class AdmissionQueue:
         return Decision(Outcome.REJECTED, nbytes, reason=Reason.TENANT_QUOTA,
                         retry_after_s=self._retry_after_s(over[1]), detail=over[0])
 
-    def _refusal_by_prediction(self, nbytes: int, predicted_s: float, left_s: float,
-                               position: int) -> Decision | None:
-        """The ``predicted_timeout`` refusal of a request predicted to wait ``predicted_s``
-        (plus the calibration margin) with ``left_s`` to wait, or ``None`` when it fits."""
-        margin_s = self.calibration.margin_s()
-        over_s = predicted_s + margin_s - left_s
-        if over_s <= 0:
+    def _refusal_by_prediction(self, nbytes: int, predicted_s: float | None, left_s: float,
+                               position: int, wait_limit_s: float | None, tenant: str,
+                               priority: Priority) -> Decision | None:
+        """``predicted_timeout`` for a request predicted to wait ``predicted_s`` plus its
+        tenant's and class's margin, with ``left_s`` to wait; ``None`` if it may wait."""
+        if predicted_s is None or not (self.refuse_predicted or wait_limit_s is not None):
+            return None
+        margin_s = self.calibration.margin_s(tenant, priority)
+        if (over_s := predicted_s + margin_s - left_s) <= 0:
             return None
         self._predicted_refusals.append(self.clock())
         return Decision(Outcome.REJECTED, nbytes, reason=Reason.PREDICTED_TIMEOUT,
@@ -257,8 +259,8 @@ class AdmissionQueue:
         those ahead of it in the fair order, :meth:`FairShare.share_ahead`,
         with, when ``after_in_flight`` (forward passes, run in order on the one thread), the
         bytes leased now as well, and of the thread's backlog); ``None`` when nothing is
-        measured yet. A request is refused when this plus the margin of recent errors
-        (``calibration``, :mod:`serve_app.admission.calibration`) exceeds the time it has;
+        measured yet. A request is refused when this plus the margin of its tenant's recent
+        errors (``calibration``, :mod:`serve_app.admission.calibration`) exceeds its time;
         its ``Retry-After`` is how much shorter the wait must get."""
         lanes = self._classes[priority]
         ahead = self._before(priority)[1] + self.fair.share_ahead(
