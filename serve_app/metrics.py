@@ -168,6 +168,10 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("counter", "batches_finished",
                "Batch API batches this ingress drove to a final status: completed, failed "
                "(refused in validation), cancelled or expired.", ("outcome",)),
+    MetricSpec("gauge", "batches_driven",
+               "Batch API batches not final that this ingress drives now, by status: "
+               "validating, in_progress, finalizing or cancelling (summed over the ingresses: "
+               "the app's batches under way).", ("status",)),
     MetricSpec("counter", "batch_lines_finished",
                "Lines of Batch API batches this ingress recorded: completed (output file) or "
                "failed (error file: the job failed, was cancelled or expired).", ("outcome",)),

@@ -25,6 +25,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -277,12 +278,18 @@ class BatchDriver:
                 await asyncio.wait_for(self._wake.wait(), SCAN_S)
 
     async def scan(self) -> None:
-        """Take and drive every batch not final that nobody drives."""
+        """Take and drive every batch not final that nobody drives; then publish the
+        batches this ingress drives by status (``batches_driven``)."""
         for batch_id in await self._batches.active():
             if batch_id not in self._driving and await self._batches.locks.lock(
                     batch_id, self._token, LOCK_TTL_MS):
                 self._driving[batch_id] = asyncio.get_running_loop().create_task(
                     self._drive(batch_id))
+        driven = Counter([batch.status for batch_id in list(self._driving)
+                          if (batch := await self._batches.get(batch_id)) is not None])
+        for status in BatchStatus:
+            if status not in FINAL_BATCH_STATUSES:
+                self._parts.metrics.set("batches_driven", driven[status], status=status)
 
     async def _drive(self, batch_id: str) -> None:
         run = asyncio.get_running_loop().create_task(BatchRun(self._parts, batch_id).run())

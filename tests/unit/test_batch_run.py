@@ -9,6 +9,7 @@ import json
 import uuid
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from deployments.http.batch_driver import BatchDriver, BatchParts, BatchRun
 from deployments.http.jobs_http import JobsRoutes
@@ -110,3 +111,29 @@ async def test_one_driver_takes_a_batch(parts):
     for task in [*one._driving.values(), *two._driving.values()]:
         await task
     assert (await parts.batches.get(batch.id)).status is BatchStatus.CANCELLED
+
+
+def _driven(parts: BatchParts) -> dict[str, float]:
+    """``vramgate_batches_driven`` by status, from the exposition."""
+    found = {}
+    for family in text_string_to_metric_families(parts.metrics.exposition()):
+        for sample in family.samples:
+            if sample.name == "vramgate_batches_driven":
+                found[sample.labels["status"]] = sample.value
+    return found
+
+
+async def test_a_driver_publishes_the_batches_it_drives_by_status(parts):
+    """Each not-final status is a series (0 included); the batch a scan takes counts under
+    its status (it is validating 2,000 lines, many round trips to Redis, when the scan
+    reads it), and no more once its run ended."""
+    batch = await _batch(parts, BatchStatus.VALIDATING, 2000)
+    driver = BatchDriver(parts)
+    await driver.scan()
+    assert _driven(parts) == {"validating": 1, "in_progress": 0, "finalizing": 0,
+                              "cancelling": 0}
+    for task in list(driver._driving.values()):
+        await task
+    await driver.scan()
+    assert (await parts.batches.get(batch.id)).status is BatchStatus.COMPLETED
+    assert set(_driven(parts).values()) == {0}
