@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 
 from tests.e2e.serve_process import RAY, config_file, serve_run
-from tests.integration.batch_client import batch_line, batch_results, create_batch, wait_batch
+from tests.integration.batch_client import batch_line, batch_results, started_batch, wait_batch
 from tests.support import MiB, free_port, interrupt, wait_until_ready
 
 LINES = 300
@@ -47,11 +47,7 @@ def test_a_batch_completes_across_serve_run_stopped_and_started_again(tmp_path: 
         first = _started(config, env, tmp_path / "first.log", base_url)
         with openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
                            timeout=60) as sdk:
-            batch = create_batch(sdk, lines)
-            deadline = time.monotonic() + 120
-            while (done := sdk.batches.retrieve(batch.id).request_counts.completed) < 20:
-                assert time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-3000:]
-                time.sleep(0.1)
+            batch, done = started_batch(sdk, lines, completed=20, timeout_s=120)
         stopped_at = time.monotonic()
         interrupt(first, timeout_s=90)
         second = _started(config, env, tmp_path / "second.log", base_url)

@@ -55,3 +55,15 @@ def batch_results(sdk: openai.OpenAI, batch) -> tuple[dict[str, dict], dict[str,
         found.append({line["custom_id"]: line for line in lines})
     assert not set(found[0]) & set(found[1]), "a custom_id in both files"
     return found[0], found[1]
+
+
+def started_batch(sdk: openai.OpenAI, lines: list[dict], completed: int,
+                  timeout_s: float = 60.0):
+    """Create the batch of ``lines`` and wait until at least ``completed`` lines are done;
+    the batch and how many were done then."""
+    batch = create_batch(sdk, lines)
+    deadline = time.monotonic() + timeout_s
+    while (done := sdk.batches.retrieve(batch.id).request_counts.completed) < completed:
+        assert time.monotonic() < deadline, f"{done} of {len(lines)} lines done"
+        time.sleep(0.05)
+    return batch, done

@@ -26,6 +26,7 @@ from tests.integration.batch_client import (
     create_batch,
     jsonl,
     run_batch,
+    started_batch,
     wait_batch,
 )
 from tests.support import fake_app_args
@@ -198,11 +199,7 @@ def test_files_and_batches_list_and_delete(sdk, app):
 
 def test_a_batch_survives_its_app_deleted_and_deployed_again(sdk, app, deploy):
     lines = [batch_line(f"r-{i}", {"input": f"restart {i} " + "w " * 40}) for i in range(150)]
-    batch = create_batch(sdk, lines)
-    deadline = time.monotonic() + 60
-    while (done := sdk.batches.retrieve(batch.id).request_counts.completed) < 10:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    batch, done = started_batch(sdk, lines, completed=10)
     serve.delete(app.name)  # the app and its Redis go; the append-only file stays
     app = deploy(ARGS)
     with openai.OpenAI(base_url=f"{app.base_url}/v1", api_key="unused", max_retries=0,
@@ -220,11 +217,7 @@ def test_a_batch_survives_its_redis_killed_mid_run(sdk, app):
     its append-only file, the driver picks the batch up from its records, and every line is
     answered exactly once, none in the error file."""
     lines = [batch_line(f"k-{i}", {"input": f"redis {i} " + "w " * 40}) for i in range(150)]
-    batch = create_batch(sdk, lines)
-    deadline = time.monotonic() + 60
-    while (done := sdk.batches.retrieve(batch.id).request_counts.completed) < 10:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    batch, done = started_batch(sdk, lines, completed=10)
     pid_path = Path(app.args["jobs"]["data_dir"]) / "fake" / "redis.pid"
     killed_pid = int(pid_path.read_text())
     os.kill(killed_pid, signal.SIGKILL)
