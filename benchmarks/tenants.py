@@ -14,8 +14,9 @@ tenant's key, and read the replica's queue wait from ``X-Queue-Wait-Ms``.
   offers 10x that (``A_RPS``, over the whole capacity), equal weights. B alone, then A and
   B under ``admission.queue: fair``, then under ``fifo``. The goal (fair): B's p99 wait
   within 1.5x of its wait alone, and B never refused.
-- **Weights 3:1**: A (weight 3) and B (weight 1) both offer twice the capacity; the
-  byte-seconds each was served over the run (``/v1/status``), goal 3:1 within 10 %.
+- **Weights 3:1**: A (weight 3) and B (weight 1) both backlogged (closed loop,
+  ``SPLIT_CLIENTS`` clients each); the byte-seconds each was served over the run
+  (``/v1/status``), goal 3:1 within 10 %.
 - **Batch flood**: B's interactive load at ``INTERACTIVE_RPS`` (3/4 of the capacity) alone,
   then beside ``--jobs`` durable jobs of A (batch class by default) submitted just before
   it, then beside a Batch API batch of A of ``--batch-lines`` embeddings; the interactive
@@ -46,6 +47,12 @@ CAPACITY_RPS = SLOTS / PASS_S
 B_RPS = CAPACITY_RPS / 8
 A_RPS = 10 * B_RPS
 INTERACTIVE_RPS = 0.75 * CAPACITY_RPS
+SPLIT_CLIENTS = 5 * SLOTS
+"""Closed-loop clients per tenant in the weights run: 5x what runs at once, so both tenants
+always have requests waiting (40 waiting at most: a predicted wait of 1 s, never refused).
+An open loop at twice the capacity did not keep them backlogged on 2 cores: the generator,
+sharing the cores with Ray, fell from 80 to under 12 sends/s for 10 s at a time, both queues
+emptied, and the split followed the arrivals."""
 KEYS = {"A": "k-tenant-a", "B": "k-tenant-b"}
 
 
@@ -105,6 +112,24 @@ async def open_loop(base_url: str, rates_rps: dict[str, float], seconds: float,
         return [answer for answers in await asyncio.gather(*loads) for answer in answers]
 
 
+async def closed_loop(base_url: str, clients: dict[str, int], seconds: float) -> list[Answer]:
+    """Each tenant's ``clients`` each sending its next request as soon as its last one is
+    answered, for ``seconds``; every answer. A tenant with more clients than the replica
+    runs at once stays backlogged whatever pace the load generator keeps."""
+    async with httpx.AsyncClient(base_url=base_url, timeout=MAX_WAIT_S * 6,
+                                 limits=httpx.Limits(max_connections=None)) as http:
+        stop_at = time.monotonic() + seconds
+
+        async def client(tenant: str) -> list[Answer]:
+            answers = []
+            while time.monotonic() < stop_at:
+                answers.append(await _one(http, tenant))
+            return answers
+
+        loads = [client(t) for t, count in clients.items() for _ in range(count)]
+        return [answer for answers in await asyncio.gather(*loads) for answer in answers]
+
+
 def p99(values: Sequence[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else float("nan")
@@ -144,14 +169,14 @@ def noisy_neighbour(base_url: str, seconds: float) -> list[list[str]]:
 
 
 def weighted_split(base_url: str, seconds: float) -> list[str]:
-    """A (weight 3) and B (weight 1) both at twice the capacity; byte-seconds served
-    between a fifth of the run and its end."""
+    """A (weight 3) and B (weight 1) both backlogged (closed loop, ``SPLIT_CLIENTS`` each);
+    byte-seconds served between a fifth of the run and its end."""
     progress("tenants: weights 3:1")
     _deployed(base_url, "fair", {"A": 3.0, "B": 1.0})
 
     async def measured() -> tuple[dict[str, float], dict[str, float]]:
-        load = asyncio.ensure_future(open_loop(
-            base_url, {"A": 2 * CAPACITY_RPS, "B": 2 * CAPACITY_RPS}, seconds))
+        load = asyncio.ensure_future(closed_loop(
+            base_url, {"A": SPLIT_CLIENTS, "B": SPLIT_CLIENTS}, seconds))
         await asyncio.sleep(seconds / 5)
         start = await asyncio.to_thread(served_byte_s, base_url)
         await asyncio.sleep(seconds * 4 / 5 - 0.5)
@@ -296,8 +321,9 @@ def section_lines(section: dict[str, Any]) -> list[str]:
         *table(["run", "A sent", "A served", "A refused", "A p99 wait s", "B sent",
                 "B served", "B refused", "B p99 wait s"], section["neighbours"]),
         "",
-        "Weights 3:1, both tenants offering twice the capacity: byte-seconds served "
-        "(GiB x s, from `/v1/status`) between a fifth of the run and its end.",
+        f"Weights 3:1, both tenants backlogged ({SPLIT_CLIENTS} closed-loop clients "
+        "each): byte-seconds served (GiB x s, from `/v1/status`) between a fifth of the "
+        "run and its end.",
         "",
         *table(["A byte-s", "B byte-s", "A / B", "off 3:1 by"], [section["split"]]),
         "",
