@@ -16,7 +16,7 @@ from tests.e2e.serve_process import RAY, config_file, serve_run
 from tests.integration.batch_client import batch_line, batch_results, started_batch, wait_batch
 from tests.support import MiB, free_port, interrupt, wait_until_ready
 
-LINES = 300
+LINES = 150
 
 
 def _started(config: Path, env: dict[str, str], log: Path, base_url: str):
@@ -31,7 +31,7 @@ def _started(config: Path, env: dict[str, str], log: Path, base_url: str):
 
 def test_a_batch_completes_across_serve_run_stopped_and_started_again(tmp_path: Path) -> None:
     port = free_port()
-    # Lines priced 32 MiB, running 0.1 s each, three at a time: 300 lines take about 30 s.
+    # Lines priced 32 MiB, running 0.1 s each, three at a time: 150 lines take about 20 s.
     config = config_file(
         tmp_path, "configs/fake.yaml", port,
         fake={"latency_per_token_s": 0.005, "bytes_per_token": MiB},
