@@ -168,7 +168,7 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("counter", "batches_finished",
                "Batch API batches this ingress drove to a final status: completed, failed "
                "(refused in validation), cancelled or expired.", ("outcome",)),
-    MetricSpec("gauge", "batches_driven",
+    MetricSpec("gauge", "driven_batches",
                "Batch API batches not final that this ingress drives now, by status: "
                "validating, in_progress, finalizing or cancelling (summed over the ingresses: "
                "the app's batches under way).", ("status",)),

@@ -279,7 +279,7 @@ class BatchDriver:
 
     async def scan(self) -> None:
         """Take and drive every batch not final that nobody drives; then publish the
-        batches this ingress drives by status (``batches_driven``)."""
+        batches this ingress drives by status (``driven_batches``)."""
         for batch_id in await self._batches.active():
             if batch_id not in self._driving and await self._batches.locks.lock(
                     batch_id, self._token, LOCK_TTL_MS):
@@ -289,7 +289,7 @@ class BatchDriver:
                           if (batch := await self._batches.get(batch_id)) is not None])
         for status in BatchStatus:
             if status not in FINAL_BATCH_STATUSES:
-                self._parts.metrics.set("batches_driven", driven[status], status=status)
+                self._parts.metrics.set("driven_batches", driven[status], status=status)
 
     async def _drive(self, batch_id: str) -> None:
         run = asyncio.get_running_loop().create_task(BatchRun(self._parts, batch_id).run())

@@ -114,11 +114,11 @@ async def test_one_driver_takes_a_batch(parts):
 
 
 def _driven(parts: BatchParts) -> dict[str, float]:
-    """``vramgate_batches_driven`` by status, from the exposition."""
+    """``vramgate_driven_batches`` by status, from the exposition."""
     found = {}
     for family in text_string_to_metric_families(parts.metrics.exposition()):
         for sample in family.samples:
-            if sample.name == "vramgate_batches_driven":
+            if sample.name == "vramgate_driven_batches":
                 found[sample.labels["status"]] = sample.value
     return found
 

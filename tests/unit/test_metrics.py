@@ -10,7 +10,7 @@ from serve_app.metrics import COMMON_LABELS, PREFIX, SPECS, ProcessMetrics, merg
 ALLOWED_LABELS = {"outcome", "reason", "route", "status", "side",
                   "tenant"}  # configured tenants only: a request's tenant is its key's
 UNITS = ("_bytes", "_seconds", "_depth", "_factor", "_over_estimated", "_sequences", "_blocks",
-         "_jobs")
+         "_jobs", "_batches")
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
