@@ -277,7 +277,8 @@ class RequestBatcher:
         work = partial(self._engine.run_batch, [t.request for t in tickets])
         self.passes += 1
         try:
-            outputs = await self._inference.run(tickets, work)
+            outputs = await self._inference.run(
+                tickets, work, on_expired=lambda index, exc: _settle(group[index], exc))
         except Exception as exc:  # each member's caller raises it
             handed_back()
             for pending in group:

@@ -31,6 +31,12 @@ from serve_app.memory.probes import DeviceProbe
 from serve_app.metrics import ProcessMetrics
 from serve_app.outcomes import AdmitReason, CancelReason, Outcome, Reason
 
+OnExpired = Callable[[int, OverloadedError], None]
+"""Told a pass member's index and its 503 ``queue_timeout``: it waited its whole bound."""
+
+EXPIRY_SLACK_S = 0.001
+"""Wait left (seconds) that counts as none: asyncio's timers may wake a little early."""
+
 PASS_MEAN_WEIGHT = 0.2
 """Weight of the newest pass in the mean pass duration (:meth:`InferenceThread.backlog_wait_s`):
 about the last five passes count, so the mean follows a change of load within seconds."""
@@ -141,39 +147,75 @@ class InferenceThread:
                         peak_bytes=peak_bytes)
 
     async def wait_started(self, future: asyncio.Future, job: _Job,
-                           tickets: Sequence[Ticket], count_gone: bool = True) -> float:
+                           tickets: Sequence[Ticket], count_gone: bool = True,
+                           on_expired: OnExpired | None = None,
+                           expired: frozenset[int] = frozenset()) -> float:
         """Wait until the thread takes up ``job``; return the seconds waited. This is queue
         wait too: with the wait for the lease it is bounded by ``admission.max_queue_wait_s``
-        (for a batch, by its member that has waited longest).
+        (or the client's shorter limit), for each ticket by its own bound.
+
+        A pass waits as long as any member may (``expired``: indexes already refused). Given
+        ``on_expired``, a member out of time is refused alone at its bound (``on_expired``
+        with 503 ``queue_timeout``); the pass runs for the others (the refused member's
+        output dropped, its lease claimed until the pass is done). Without it, the first
+        bound to run out refuses all: a request admitted with little time left then cost the
+        fresh ones batched with it their answers (measured: a light tenant refused after 1 s).
 
         Raises:
-            OverloadedError: ``queue_timeout`` (the job is abandoned, never run).
+            OverloadedError: ``queue_timeout`` when every member's bound ran out (the job is
+                abandoned, never run).
             asyncio.CancelledError: the caller left (the job is abandoned, never run; its
                 clients are :meth:`client_gone`, unless ``count_gone`` is false: the caller
                 counts them).
         """
-        started = asyncio.ensure_future(job.started.wait())
         waited_from = time.monotonic()
-        limit_s = max(0.0, min(self._wait_left_s(t) for t in tickets))
+        live = [i for i in range(len(tickets)) if i not in expired]
         try:
-            done, _ = await asyncio.wait({future, started}, timeout=limit_s,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            await self._until_started(future, job, tickets, live, on_expired)
         except asyncio.CancelledError:
             job.abandon()
             if job.started_at is None and count_gone:
-                for ticket in tickets:
-                    self.client_gone(ticket.lease.nbytes, ticket.admission.request_id)
+                for index in live:
+                    self.client_gone(tickets[index].lease.nbytes,
+                                     tickets[index].admission.request_id)
             raise
+        thread_wait_s = time.monotonic() - waited_from
+        for index in live:
+            tickets[index].add_wait(thread_wait_s)
+            self.admitted(tickets[index], len(tickets))
+        return thread_wait_s
+
+    async def _until_started(self, future: asyncio.Future, job: _Job,
+                             tickets: Sequence[Ticket], live: list[int],
+                             on_expired: OnExpired | None) -> None:
+        """:meth:`wait_started`'s wait, until the thread takes ``job`` up; ``live`` (the
+        indexes of ``tickets`` still waiting) loses each member refused at its own bound
+        meanwhile."""
+        started = asyncio.ensure_future(job.started.wait())
+        waited_from = time.monotonic()
+        try:
+            while True:
+                lefts_s = self._lefts_s(tickets, live, time.monotonic() - waited_from)
+                done, _ = await asyncio.wait({future, started},
+                                             timeout=max(0.0, min(lefts_s.values())),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if done:
+                    return
+                lefts_s = self._lefts_s(tickets, live, time.monotonic() - waited_from)
+                ran_out = [i for i in live if lefts_s[i] <= EXPIRY_SLACK_S]
+                if len(ran_out) == len(live) or on_expired is None:
+                    job.abandon()
+                    raise self.queue_timeout([tickets[i] for i in live])
+                for index in ran_out:
+                    on_expired(index, self.queue_timeout([tickets[index]]))
+                live[:] = [i for i in live if i not in ran_out]
         finally:
             started.cancel()
-        if not done:
-            job.abandon()
-            raise self.queue_timeout(tickets)
-        thread_wait_s = time.monotonic() - waited_from
-        for ticket in tickets:
-            ticket.add_wait(thread_wait_s)
-            self.admitted(ticket, len(tickets))
-        return thread_wait_s
+
+    def _lefts_s(self, tickets: Sequence[Ticket], indexes: Sequence[int],
+                 elapsed_s: float) -> dict[int, float]:
+        """Seconds each of ``tickets[indexes]`` may wait, ``elapsed_s`` into the thread wait."""
+        return {i: self._wait_left_s(tickets[i]) - elapsed_s for i in indexes}
 
     def client_gone(self, leased_bytes: int, request_id: str = "") -> None:
         """A request's client left before its answer was whole (queued, waiting for the
@@ -199,9 +241,11 @@ class InferenceThread:
                         queue_wait_s=round(ticket.queue_wait_s, 4),
                         queue_position=ticket.admission.queue_position, batch=batch)
 
-    async def run(self, tickets: Sequence[Ticket], work: Callable[[], Any]) -> Any:
+    async def run(self, tickets: Sequence[Ticket], work: Callable[[], Any],
+                  on_expired: OnExpired | None = None) -> Any:
         """:meth:`start`; once the thread runs it, wait up to ``inference_timeout_s``.
         Returns the result; each ticket's ``waited_s`` grows by the wait for the thread.
+        ``on_expired``: told of each member of a pass out of time (:meth:`wait_started`).
 
         Raises:
             InferenceTimeoutError: the thread is still running at the deadline (the leases
@@ -209,14 +253,18 @@ class InferenceThread:
             OverloadedError: ``oom`` or ``draining`` (device fault), see
                 :meth:`DeviceHealth.error_for`; ``queue_timeout`` when the work waited
                 ``max_queue_wait_s`` in all (for the lease, a batch and the thread) before
-                starting; it never starts then.
+                starting (every member's bound, given ``on_expired``); it never starts then.
         """
-        if min(self._wait_left_s(t) for t in tickets) <= 0:
+        expired = [i for i, t in enumerate(tickets) if self._wait_left_s(t) <= 0]
+        if len(expired) == len(tickets) or (expired and on_expired is None):
             for ticket in tickets:  # waited its whole bound before reaching the thread
                 ticket.device_done(ran=False)
             raise self.queue_timeout(tickets)
         future, job = self.start(tickets, work)
-        await self.wait_started(future, job, tickets)
+        for index in expired:  # rides along in the pass; its output is dropped
+            on_expired(index, self.queue_timeout([tickets[index]]))
+        await self.wait_started(future, job, tickets, on_expired=on_expired,
+                                expired=frozenset(expired))
         try:
             async with asyncio.timeout(self._admission.inference_timeout_s):
                 return await asyncio.shield(future)

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -290,6 +291,48 @@ async def test_waiting_for_a_pass_is_queue_wait_and_bounded_by_max_queue_wait_s(
         slow.engine.sleep.release.set()
         replica.close()
         slow.close()
+
+
+def decisions(replica: Replica, outcome: str, reason: str) -> float:
+    return replica.metrics.registry.get_sample_value(
+        "vramgate_admission_decisions_total",
+        {**LABELS, "outcome": outcome, "reason": reason}) or 0.0
+
+
+@pytest.mark.parametrize("max_batch_size", [2, 8], ids=["on-the-thread", "in-the-batcher"])
+async def test_a_member_out_of_time_is_refused_alone_and_its_pass_runs_for_the_others(
+        max_batch_size: int) -> None:
+    # Two requests in one pass behind a held thread, one with 0.1 s to wait (the client's
+    # limit), one with 60 s. A full pass (2) waits on the thread, where the first is refused
+    # at its bound; a short one (8) waits in the batcher and is formed when the thread
+    # frees, when the first is already out of time. Either way only the first is refused,
+    # and the other is answered: before, the shortest bound refused the whole pass, and
+    # each member was recorded as a miss of the whole bound.
+    async with held_replica(budget_bytes=10**6, max_batch_size=max_batch_size) as (
+            replica, gate, first):
+        hurried = replace(replica.request("embed", [words(3, 1)]), wait_limit_s=0.1)
+        calm = replica.request("embed", [words(4, 2)])
+        late = asyncio.create_task(replica.parts.lifecycle.infer(hurried))
+        fresh = asyncio.create_task(replica.parts.lifecycle.infer(calm))
+        await let_them_reach_the_batcher()
+        assert replica.batcher.passes == (2 if max_batch_size == 2 else 1)
+        if max_batch_size == 2:  # refused at its bound, while the thread is still held
+            await asyncio.wait({late}, timeout=5)
+            assert late.done() and not fresh.done()
+        else:
+            await asyncio.sleep(0.15)  # past the first's bound (wall clock)
+        gate.release.set()
+        with pytest.raises(OverloadedError) as refused:
+            await late
+        assert refused.value.code == "queue_timeout"
+        answer = await fresh
+        await first
+        await replica.settle()
+        reference = reference_engine()
+        assert np.allclose(answer.output.embeddings, reference.embed([words(4, 2)]))
+        assert replica.batcher.passes == 2 and replica.inference.total == 2
+        assert decisions(replica, "rejected", "queue_timeout") == 1.0
+        assert_idle(replica.gate.queue)
 
 
 async def test_a_lone_request_on_an_idle_thread_runs_at_once_and_alone() -> None:
