@@ -10,7 +10,7 @@ batching: ``SLOTS`` at once, a capacity of ``CAPACITY_RPS``); it waits at most
 ``MAX_WAIT_S``. Open-loop (Poisson) clients send one-input embeddings, each with its
 tenant's key, and read the replica's queue wait from ``X-Queue-Wait-Ms``.
 
-- **Noisy neighbour** (passes of ``NOISY_PASS_S``): tenant B offers ``B_RPS`` (under its half
+- **Noisy neighbour**: tenant B offers ``B_RPS`` (under its half
   of the capacity); tenant A offers 10x that (``A_RPS``, over the whole capacity), equal
   weights. B alone, then A and B under ``admission.queue: fair``, then under ``fifo``. The
   goal (fair): B's p99 wait within 1.5x of its wait alone, and B never refused.
@@ -32,6 +32,7 @@ import json
 import random
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,18 +42,17 @@ import httpx
 from loadtest.runner import deploy, progress, start_serve, stop_serve, undeploy
 
 MiB = 1 << 20
-REQUEST_MIB, BUDGET_MIB, PASS_S, MAX_WAIT_S = 100, 400, 0.1, 10.0
+REQUEST_MIB, BUDGET_MIB, PASS_S, MAX_WAIT_S = 100, 400, 0.5, 10.0
+"""``PASS_S``: a waiting request's wait is the rest of the pass running when it arrives, so
+the runs measure the queue only while the host's own delays are small beside a pass. At
+0.1 s (40 req/s of capacity, A at 50 req/s) the load generator, Ray's proxy and the ingress
+saturated the 2 cores: B's wait before it even reached the replica had a p99 of 0.22 s and
+its wait for a lease 0.25 s, for a pass of 0.1 s (B's p99 0.25-0.5 s against 0.10 s alone
+over runs), and the interactive load's p50 latency doubled on a slower 2-core host without
+any flood. At 0.5 s (8 req/s) the service carries 11 req/s at most."""
 SLOTS = BUDGET_MIB // REQUEST_MIB
 CAPACITY_RPS = SLOTS / PASS_S
-NOISY_PASS_S = 0.5
-"""The noisy neighbour's forward pass (its capacity ``SLOTS / NOISY_PASS_S``, 8 req/s): B's
-wait under fair share is the rest of the pass running when it arrives, so what it measures
-is the queue only while the host's own delays are small beside a pass. At ``PASS_S`` (A at
-50 req/s) the load generator, Ray's proxy and the ingress saturated the 2 cores: B's wait
-before it reached the replica had a p99 of 0.22 s and its wait for a lease 0.25 s, for a pass
-of 0.1 s (B's p99 0.25-0.5 s against 0.10 s alone over runs); at 0.5 s the service carries
-11 req/s and B's lease waits stayed within one pass."""
-B_RPS = SLOTS / NOISY_PASS_S / 8
+B_RPS = CAPACITY_RPS / 8
 A_RPS = 10 * B_RPS
 NOISY_RUNS = 2
 """Each noisy-neighbour run lasts this many times ``--seconds``: B sends ~60 requests in
@@ -67,12 +67,10 @@ emptied, and the split followed the arrivals."""
 KEYS = {"A": "k-tenant-a", "B": "k-tenant-b"}
 
 
-def app_args(queue: str, weights: dict[str, float], data_dir: str,
-             pass_s: float = PASS_S) -> dict:
-    """The fake engine's one replica (forward passes of ``pass_s``), tenants A and B of
-    ``weights``."""
+def app_args(queue: str, weights: dict[str, float], data_dir: str) -> dict:
+    """The fake engine's one replica, tenants A and B of ``weights``."""
     return {"model": {"task": "fake", "name": "fake"},
-            "fake": {"latency_per_token_s": 0.0, "latency_per_pass_s": pass_s,
+            "fake": {"latency_per_token_s": 0.0, "latency_per_pass_s": PASS_S,
                      "bytes_per_token": 0, "bytes_per_request": REQUEST_MIB * MiB},
             "memory": {"budget_bytes": BUDGET_MIB * MiB},
             "limits": {"max_inputs": 2, "max_input_tokens": 32, "max_tokens": 8},
@@ -155,10 +153,9 @@ def served_byte_s(base_url: str) -> dict[str, float]:
     return {t: f["served_byte_s"] for t, f in replica["tenants"].items()}
 
 
-def _deployed(base_url: str, queue: str, weights: dict[str, float],
-              pass_s: float = PASS_S) -> None:
-    deploy(app_args(queue, weights, tempfile.mkdtemp(prefix="vramgate-tenants-"), pass_s),
-           base_url, headers=bearer("A"))
+def _deployed(base_url: str, queue: str, weights: dict[str, float]) -> None:
+    deploy(app_args(queue, weights, tempfile.mkdtemp(prefix="vramgate-tenants-")), base_url,
+           headers=bearer("A"))
 
 
 def noisy_neighbour(base_url: str, seconds: float) -> list[list[str]]:
@@ -168,7 +165,7 @@ def noisy_neighbour(base_url: str, seconds: float) -> list[list[str]]:
                                ("A 10x B, fair", "fair", {"A": A_RPS, "B": B_RPS}),
                                ("A 10x B, fifo", "fifo", {"A": A_RPS, "B": B_RPS})):
         progress(f"tenants: {name}")
-        _deployed(base_url, queue, {"A": 1.0, "B": 1.0}, NOISY_PASS_S)
+        _deployed(base_url, queue, {"A": 1.0, "B": 1.0})
         answers = asyncio.run(open_loop(base_url, rates, NOISY_RUNS * seconds))
         undeploy()
         row = [name]
@@ -176,10 +173,18 @@ def noisy_neighbour(base_url: str, seconds: float) -> list[list[str]]:
             own = [a for a in answers if a.tenant == tenant]
             waits = [a.wait_s for a in own if a.status == 200]
             refused = [a for a in own if a.status != 200]
-            row += [f"{len(own)}", f"{len(waits)}", f"{len(refused)}",
+            row += [f"{len(own)}", f"{len(waits)}", _refusals(refused),
                     f"{p99(waits):.2f}" if waits else "-"]
         rows.append(row)
     return rows
+
+
+def _refusals(refused: list[Answer]) -> str:
+    """How many were refused, and by which codes: ``"3 (predicted_timeout 2, queue_timeout
+    1)"``."""
+    codes = Counter(a.code for a in refused)
+    return f"{len(refused)}" + (f" ({', '.join(f'{c} {n}' for c, n in sorted(codes.items()))})"
+                                if codes else "")
 
 
 def weighted_split(base_url: str, seconds: float) -> list[str]:
@@ -304,7 +309,7 @@ def run(base_url: str, seconds: float, jobs: int, batch_lines: int) -> dict[str,
 def verdicts(section: dict[str, Any]) -> list[str]:
     """The issue's goals against :func:`run`'s figures, one line each."""
     alone, fair, fifo = (float(row[8]) for row in section["neighbours"])
-    b_refused = int(section["neighbours"][1][7])
+    b_refused = int(section["neighbours"][1][7].split()[0])
     off = abs(float(section["split"][2]) / 3 - 1)
     quiet, *flooded = (float(row[4]) for row in section["flood"])
     return [
@@ -329,10 +334,10 @@ def section_lines(section: dict[str, Any]) -> list[str]:
         "",
         f"One replica, {SLOTS} requests at once in a shared forward pass of {PASS_S:g} s "
         f"({CAPACITY_RPS:g} req/s); open-loop (Poisson) load for {section['seconds']:g} s; "
-        f"waits from `X-Queue-Wait-Ms`. Noisy neighbour: passes of {NOISY_PASS_S:g} s "
-        f"({SLOTS / NOISY_PASS_S:g} req/s, so that the 2 cores' HTTP path stays light beside "
-        f"the device), {NOISY_RUNS * section['seconds']:g} s per run; B offers {B_RPS:g} "
-        f"req/s, A {A_RPS:g} (10x), equal weights.",
+        f"waits from `X-Queue-Wait-Ms` (a pass this long keeps the 2 cores' HTTP path light "
+        f"beside the device: `PASS_S` in `benchmarks/tenants.py`). Noisy neighbour: "
+        f"{NOISY_RUNS * section['seconds']:g} s per run; B offers {B_RPS:g} req/s, "
+        f"A {A_RPS:g} (10x), equal weights; refusals by code.",
         "",
         *table(["run", "A sent", "A served", "A refused", "A p99 wait s", "B sent",
                 "B served", "B refused", "B p99 wait s"], section["neighbours"]),
