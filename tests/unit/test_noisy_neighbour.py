@@ -21,7 +21,7 @@ from tests.unit.conftest import FakeClock
 MiB = 1 << 20
 REQUEST, BUDGET, HOLD_S, MAX_WAIT_S = 100 * MiB, 400 * MiB, 0.1, 10.0
 RATES = {"A": 50.0, "B": 5.0}  # 40 req/s of capacity, B under its half (the benchmark's
-# noisy neighbour: the same ratios on passes of 0.5 s, benchmarks/tenants.py NOISY_PASS_S)
+# noisy neighbour: the same ratios on passes of 0.5 s, benchmarks/tenants.py PASS_S)
 
 
 @dataclass
