@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -49,10 +50,11 @@ class ModelClient:
         self._max_replicas, self._refuse_predicted = max_replicas, refuse_predicted
         self._model, self._replicas = model, replicas
         self._max_queue_wait_s, self._metrics = max_queue_wait_s, metrics
-        # Units of this ingress's requests sent but not yet taken by a replica (waiting in
-        # Ray Serve's handle queue): ahead of every new request, and invisible in the
-        # replicas' published queues.
-        self._unassigned_units, self._unassigned = 0, 0
+        # Units of this ingress's requests sent but not yet taken by a replica, by tenant:
+        # on their way to the replicas' queues, where they take their tenant's place in the
+        # fair order; invisible in the replicas' published queues.
+        self._unassigned_units: Counter[str] = Counter()
+        self._unassigned = 0
         # Recent waits for a replica to take a request (a slot under max_ongoing_requests):
         # their median is the wait for a slot predicted while the handle queue is not empty.
         self._assign_waits = WaitCalibration(window=100, quantile=0.5)
@@ -173,7 +175,7 @@ class ModelClient:
             return
         assigned = asyncio.ensure_future(awaitable)
         units, sent_at = request.estimated_bytes or 0, time.monotonic()
-        self._unassigned_units += units
+        self._unassigned_units[request.tenant] += units
         self._unassigned += 1
         try:
             done, _ = await asyncio.wait(
@@ -183,7 +185,9 @@ class ModelClient:
             response.cancel()
             raise
         finally:
-            self._unassigned_units -= units
+            self._unassigned_units[request.tenant] -= units
+            if not self._unassigned_units[request.tenant]:
+                del self._unassigned_units[request.tenant]
             self._unassigned -= 1
             self._assign_waits.record(time.monotonic() - sent_at)
         if done:

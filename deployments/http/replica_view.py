@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping
 
 from ray.serve.handle import DeploymentHandle
 
@@ -89,15 +90,18 @@ class ReplicaView:
         return estimate_units([s.cost_model for s in await self.states()], shape,
                               self._policy)
 
-    async def predicted_wait_s(self, units: int | None, ahead_units: int = 0,
+    async def predicted_wait_s(self, units: int | None,
+                               ahead_units: Mapping[str, int] | None = None,
                                generates: bool = False,
                                tenant: str = DEFAULT_TENANT) -> float | None:
         """The shortest wait a request of ``units`` should get on any replica before it
         starts (:func:`serve_app.admission.drain.predicted_wait_s` of each replica's
         published gate, plus the margin it publishes for ``tenant``), ``None`` while no
-        replica has a measured rate or its price is unknown. ``ahead_units``: requests of
-        this ingress still waiting for a replica (in Ray Serve's handle queue), which will
-        queue ahead of it.
+        replica has a measured rate or its price is unknown. ``ahead_units``: units of this
+        ingress's requests not yet taken by a replica, by tenant: they will queue on the
+        replicas under their tenants, so only a tenant's share of them is ahead of it (a
+        burst of one tenant's requests in flight once predicted 13.5 s for another
+        tenant's request that then waited under a pass).
         ``generates``: a completion, which on a replica with continuous batching joins the
         running batch once its own bytes are free; anything else runs after the work leased
         before it. ``tenant``: whose request it is; what is queued ahead of it is its share
@@ -107,8 +111,9 @@ class ReplicaView:
         if units is None:
             return None
         states = await self.states()
-        ahead = ahead_units / max(1, len(states))  # the router spreads them over the replicas
-        waits = [(_predicted_wait_s(s, _ahead_of(s.gate, tenant, ahead + units), units,
+        spread = max(1, len(states))  # the router spreads them over the replicas
+        ahead = {t: u / spread for t, u in (ahead_units or {}).items()}
+        waits = [(_predicted_wait_s(s, _ahead_of(s.gate, tenant, units, ahead), units,
                                     generates), _margin_s(s.gate, tenant)) for s in states]
         known = [wait + margin for wait, margin in waits if wait is not None]
         return min(known) if known and len(known) == len(waits) else None
@@ -133,13 +138,16 @@ class ReplicaView:
         return wait_s(queued, rate, fallback_s=self._fallback_s)
 
 
-def _ahead_of(gate: GateFigures, tenant: str, units: float) -> float:
+def _ahead_of(gate: GateFigures, tenant: str, units: float,
+              in_flight: Mapping[str, float]) -> float:
     """Bytes queued on a replica ahead of ``units`` of ``tenant``, and ``units``, in its fair
-    order (:func:`share_ahead` of its published tenants' queued bytes and weights; all it
-    queues, from a replica that publishes no tenants)."""
+    order (:func:`share_ahead` of its published tenants' queued bytes, with ``in_flight``'s
+    bytes on their way to it, and weights; all it queues and all in flight, from a replica
+    that publishes no tenants)."""
     if not gate.tenants:
-        return gate.queued_bytes + units
-    queued = {t: int(f["queued_bytes"]) for t, f in gate.tenants.items()}
+        return gate.queued_bytes + sum(in_flight.values()) + units
+    queued = Counter({t: int(f["queued_bytes"]) for t, f in gate.tenants.items()})
+    queued.update({t: round(b) for t, b in in_flight.items()})
     weights = {t: float(f["weight"]) for t, f in gate.tenants.items()}
     own = queued.get(tenant, 0) + units
     return own + share_ahead(weights, tenant, round(own), queued) - round(own)

@@ -132,6 +132,30 @@ def test_the_ingress_adds_the_margin_published_for_the_requests_tenant() -> None
     assert asyncio.run(predicted()) == {"a": pytest.approx(2.0), "b": pytest.approx(10.0)}
 
 
+def test_requests_in_flight_to_the_replicas_queue_under_their_own_tenants() -> None:
+    """This ingress has 40 requests of ``a`` (a budget each) sent but not yet taken by the
+    replica (a burst on its way): they will queue under ``a``, so ``b``'s request is predicted
+    behind its own budget and as much of ``a``'s (2 s at one budget a second), not behind all
+    40 (41 s, as when every request in flight counted as ahead of every tenant); ``a``'s own
+    next one is behind all of them."""
+    state = published_state(thread_wait_s=0.0)
+    tenants = {t: {"weight": 1.0, "waiting": 0, "queued_bytes": 0, "held_bytes": 0,
+                   "served_byte_s": 0.0, "wait_margin_s": 0.0} for t in "ab"}
+    gate = dataclasses.replace(state.gate, reserved_bytes=BUDGET, free_bytes=0, queue_depth=0,
+                               queued_bytes=0, drain_bytes_per_s=BUDGET,
+                               busy_drain_bytes_per_s=BUDGET, wait_margin_s=0.0,
+                               tenants=tenants)
+    registry = PublishedRegistry()
+    registry.published = [dataclasses.replace(state, gate=gate)]
+    view = ReplicaView(registry, BudgetPolicy, 10.0, model="fake", clock=FakeClock())
+
+    async def predicted() -> dict[str, float | None]:
+        return {t: await view.predicted_wait_s(BUDGET, {"a": 40 * BUDGET}, tenant=t)
+                for t in "ab"}
+
+    assert asyncio.run(predicted()) == {"a": pytest.approx(41.0), "b": pytest.approx(2.0)}
+
+
 class Overload:
     """Two tenants of weights 3:1 each sending twice what the replica drains (Poisson, 80
     requests a second of 1/4 of the budget, each held 0.1 s, 10 s of wait at most): the
