@@ -110,26 +110,39 @@ def test_the_controller_keeps_configured_tenants_apart_and_fifo_together() -> No
         assert {t: figures[t]["wait_margin_s"] for t in "ab"} == expected
 
 
+def one_replica_view(b_queued: int, b_margin_s: float, shared_margin_s: float) -> ReplicaView:
+    """An ingress's view of one replica that drains one budget a second, its budget all
+    leased, tenants ``a`` and ``b`` of weight 1, ``b`` with ``b_queued`` bytes queued and a
+    margin of ``b_margin_s`` (``a``'s 0)."""
+    state = published_state(thread_wait_s=0.0)
+    tenants = {t: {"weight": 1.0, "waiting": int(t == "b" and b_queued > 0),
+                   "queued_bytes": b_queued * (t == "b"), "held_bytes": 0,
+                   "served_byte_s": 0.0, "wait_margin_s": b_margin_s * (t == "b")}
+               for t in "ab"}
+    gate = dataclasses.replace(state.gate, reserved_bytes=BUDGET, free_bytes=0,
+                               queue_depth=int(b_queued > 0), queued_bytes=b_queued,
+                               drain_bytes_per_s=BUDGET, busy_drain_bytes_per_s=BUDGET,
+                               wait_margin_s=shared_margin_s, tenants=tenants)
+    registry = PublishedRegistry()
+    registry.published = [dataclasses.replace(state, gate=gate)]
+    return ReplicaView(registry, BudgetPolicy, 10.0, model="fake", clock=FakeClock())
+
+
+def predicted_by_tenant(view: ReplicaView,
+                        in_flight: dict[str, int] | None = None) -> dict[str, float | None]:
+    """Each tenant's predicted wait for a request of one budget."""
+    async def predicted() -> dict[str, float | None]:
+        return {t: await view.predicted_wait_s(BUDGET, in_flight, tenant=t) for t in "ab"}
+
+    return asyncio.run(predicted())
+
+
 def test_the_ingress_adds_the_margin_published_for_the_requests_tenant() -> None:
     """A replica that drains one budget a second, one budget queued by ``b``, and ``b``'s
     margin 8 s: ``b``'s request is predicted 2 + 8 s at the ingress, ``a``'s 2 s (its half of
     ``b``'s backlog and its own), not 2 + the replica's shared margin."""
-    state = published_state(thread_wait_s=0.0)
-    tenants = {t: {"weight": 1.0, "waiting": int(t == "b"), "queued_bytes": BUDGET * (t == "b"),
-                   "held_bytes": 0, "served_byte_s": 0.0, "wait_margin_s": 8.0 * (t == "b")}
-               for t in "ab"}
-    gate = dataclasses.replace(state.gate, reserved_bytes=BUDGET, free_bytes=0, queue_depth=1,
-                               queued_bytes=BUDGET, drain_bytes_per_s=BUDGET,
-                               busy_drain_bytes_per_s=BUDGET, wait_margin_s=5.0,
-                               tenants=tenants)
-    registry = PublishedRegistry()
-    registry.published = [dataclasses.replace(state, gate=gate)]
-    view = ReplicaView(registry, BudgetPolicy, 10.0, model="fake", clock=FakeClock())
-
-    async def predicted() -> dict[str, float | None]:
-        return {t: await view.predicted_wait_s(BUDGET, tenant=t) for t in "ab"}
-
-    assert asyncio.run(predicted()) == {"a": pytest.approx(2.0), "b": pytest.approx(10.0)}
+    view = one_replica_view(b_queued=BUDGET, b_margin_s=8.0, shared_margin_s=5.0)
+    assert predicted_by_tenant(view) == {"a": pytest.approx(2.0), "b": pytest.approx(10.0)}
 
 
 def test_requests_in_flight_to_the_replicas_queue_under_their_own_tenants() -> None:
@@ -138,22 +151,9 @@ def test_requests_in_flight_to_the_replicas_queue_under_their_own_tenants() -> N
     behind its own budget and as much of ``a``'s (2 s at one budget a second), not behind all
     40 (41 s, as when every request in flight counted as ahead of every tenant); ``a``'s own
     next one is behind all of them."""
-    state = published_state(thread_wait_s=0.0)
-    tenants = {t: {"weight": 1.0, "waiting": 0, "queued_bytes": 0, "held_bytes": 0,
-                   "served_byte_s": 0.0, "wait_margin_s": 0.0} for t in "ab"}
-    gate = dataclasses.replace(state.gate, reserved_bytes=BUDGET, free_bytes=0, queue_depth=0,
-                               queued_bytes=0, drain_bytes_per_s=BUDGET,
-                               busy_drain_bytes_per_s=BUDGET, wait_margin_s=0.0,
-                               tenants=tenants)
-    registry = PublishedRegistry()
-    registry.published = [dataclasses.replace(state, gate=gate)]
-    view = ReplicaView(registry, BudgetPolicy, 10.0, model="fake", clock=FakeClock())
-
-    async def predicted() -> dict[str, float | None]:
-        return {t: await view.predicted_wait_s(BUDGET, {"a": 40 * BUDGET}, tenant=t)
-                for t in "ab"}
-
-    assert asyncio.run(predicted()) == {"a": pytest.approx(41.0), "b": pytest.approx(2.0)}
+    view = one_replica_view(b_queued=0, b_margin_s=0.0, shared_margin_s=0.0)
+    assert predicted_by_tenant(view, {"a": 40 * BUDGET}) == {"a": pytest.approx(41.0),
+                                                              "b": pytest.approx(2.0)}
 
 
 class Overload:
