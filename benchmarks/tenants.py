@@ -10,10 +10,10 @@ batching: ``SLOTS`` at once, a capacity of ``CAPACITY_RPS``); it waits at most
 ``MAX_WAIT_S``. Open-loop (Poisson) clients send one-input embeddings, each with its
 tenant's key, and read the replica's queue wait from ``X-Queue-Wait-Ms``.
 
-- **Noisy neighbour**: tenant B offers ``B_RPS`` (under its half
-  of the capacity); tenant A offers 10x that (``A_RPS``, over the whole capacity), equal
-  weights. B alone, then A and B under ``admission.queue: fair``, then under ``fifo``. The
-  goal (fair): B's p99 wait within 1.5x of its wait alone, and B never refused.
+- **Noisy neighbour**: tenant B offers ``B_RPS`` (under its half of the capacity); tenant A
+  offers 10x that (``A_RPS``, over the whole capacity), equal weights. B alone, then A and
+  B under ``admission.queue: fair``, then under ``fifo``. The goal (fair): B's p99 wait
+  within 1.5x of its wait alone, and B never refused.
 - **Weights 3:1**: A (weight 3) and B (weight 1) both backlogged (closed loop,
   ``SPLIT_CLIENTS`` clients each); the byte-seconds each was served over the run
   (``/v1/status``), goal 3:1 within 10 %.
@@ -47,7 +47,7 @@ REQUEST_MIB, BUDGET_MIB, PASS_S, MAX_WAIT_S = 100, 400, 0.5, 10.0
 the runs measure the queue only while the host's own delays are small beside a pass. At
 0.1 s (40 req/s of capacity, A at 50 req/s) the load generator, Ray's proxy and the ingress
 saturated the 2 cores: B's wait before it even reached the replica had a p99 of 0.22 s and
-its wait for a lease 0.25 s, for a pass of 0.1 s (B's p99 0.25-0.5 s against 0.10 s alone
+its wait for a lease 0.25 s, for a pass of 0.1 s (B's p99 0.16-0.5 s against 0.10 s alone
 over runs), and the interactive load's p50 latency doubled on a slower 2-core host without
 any flood. At 0.5 s (8 req/s) the service carries 11 req/s at most."""
 SLOTS = BUDGET_MIB // REQUEST_MIB

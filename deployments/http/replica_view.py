@@ -101,7 +101,9 @@ class ReplicaView:
         ingress's requests not yet taken by a replica, by tenant: they will queue on the
         replicas under their tenants, so only a tenant's share of them is ahead of it (a
         burst of one tenant's requests in flight once predicted 13.5 s for another
-        tenant's request that then waited under a pass).
+        tenant's request that then waited under a pass). Where they wait in Ray Serve's
+        handle queue (every replica at ``max_ongoing_requests``), which is FIFO, this
+        predicts short; the replica decides again.
         ``generates``: a completion, which on a replica with continuous batching joins the
         running batch once its own bytes are free; anything else runs after the work leased
         before it. ``tenant``: whose request it is; what is queued ahead of it is its share
