@@ -21,12 +21,12 @@ from typing import Any
 import torch
 
 from deployments.replica.device_health import DeviceHealth
+from deployments.replica.inference_job import InferenceJob
 from deployments.replica.request_log import RequestLog
 from serve_app.admission.controller import AdmissionController
 from serve_app.admission.ticket import Ticket
 from serve_app.config import AdmissionConfig
 from serve_app.errors import InferenceTimeoutError, OverloadedError
-from serve_app.memory.cost_model import failed_allocation_bytes
 from serve_app.memory.probes import DeviceProbe
 from serve_app.metrics import ProcessMetrics
 from serve_app.outcomes import AdmitReason, CancelReason, Outcome, Reason
@@ -70,14 +70,14 @@ class InferenceThread:
         self.mean_pass_s: float | None = None  # mean duration of a pass (or a decode step)
 
     def start(self, tickets: Sequence[Ticket],
-              work: Callable[[], Any]) -> tuple[asyncio.Future, _Job]:
+              work: Callable[[], Any]) -> tuple[asyncio.Future, InferenceJob]:
         """Queue ``work`` for the thread on behalf of ``tickets``, claiming their leases
         until the thread is done with it, whatever happens to the callers meanwhile
         (timeout, cancellation); work whose callers left before the thread reached it is
         skipped. Failures are reported to the device health here, so that they are learnt
         from also when nobody waits any more."""
         loop = asyncio.get_running_loop()
-        job = _Job(work, loop, self)
+        job = InferenceJob(work, loop, self)
         for ticket in tickets:
             ticket.claim()
         try:
@@ -105,7 +105,7 @@ class InferenceThread:
         self.total += 1
         self._metrics.observe("inference_seconds", inference_s)
 
-    def _finished(self, done: asyncio.Future, job: _Job, tickets: list[Ticket]) -> None:
+    def _finished(self, done: asyncio.Future, job: InferenceJob, tickets: list[Ticket]) -> None:
         self.running -= 1
         if self.running_since == job.started_at:  # the thread may have moved on already
             self.running_since = None
@@ -116,19 +116,20 @@ class InferenceThread:
             self.health.after_failure(error, leased_bytes, job.oom_needed_bytes, job.canary_ok)
         outcome = "ok" if error is None else (
             "oom" if isinstance(error, torch.OutOfMemoryError) else type(error).__name__)
-        for ticket in tickets:
-            if ran:
-                self.log_finished(ticket, outcome, job.duration_s, job.peak_bytes)
+        for index, ticket in enumerate(tickets):
+            if ran:  # a member refused while the pass waited rode along: not answered
+                self.log_finished(ticket, Reason.QUEUE_TIMEOUT.value if index in job.refused
+                                  else outcome, job.duration_s, job.peak_bytes)
             ticket.device_done(ran)
         self.total += ran
         if ran:
             self._record_pass(job.duration_s)
         self._observe(job, ran, error, tickets, leased_bytes)
 
-    def _observe(self, job: _Job, ran: bool, error: BaseException | None,
+    def _observe(self, job: InferenceJob, ran: bool, error: BaseException | None,
                  tickets: list[Ticket], leased_bytes: int) -> None:
-        for _ in tickets if ran else ():  # each member spent this on the thread
-            self._metrics.observe("inference_seconds", job.duration_s)
+        for _ in range(len(tickets) - len(job.refused)) if ran else ():  # each answered
+            self._metrics.observe("inference_seconds", job.duration_s)  # member spent it
         if ran and leased_bytes > 0 and (
                 error is None or isinstance(error, torch.OutOfMemoryError)):
             # An OOM'd request counts with what it needed at least: leaving it out would
@@ -146,7 +147,7 @@ class InferenceThread:
                         outcome=outcome, batch=ticket.batch, inference_s=round(inference_s, 4),
                         peak_bytes=peak_bytes)
 
-    async def wait_started(self, future: asyncio.Future, job: _Job,
+    async def wait_started(self, future: asyncio.Future, job: InferenceJob,
                            tickets: Sequence[Ticket], count_gone: bool = True,
                            on_expired: OnExpired | None = None,
                            expired: frozenset[int] = frozenset()) -> float:
@@ -185,7 +186,7 @@ class InferenceThread:
             self.admitted(tickets[index], len(tickets))
         return thread_wait_s
 
-    async def _until_started(self, future: asyncio.Future, job: _Job,
+    async def _until_started(self, future: asyncio.Future, job: InferenceJob,
                              tickets: Sequence[Ticket], live: list[int],
                              on_expired: OnExpired | None) -> None:
         """:meth:`wait_started`'s wait, until the thread takes ``job`` up; ``live`` (the
@@ -206,11 +207,17 @@ class InferenceThread:
                 if len(ran_out) == len(live) or on_expired is None:
                     job.abandon()
                     raise self.queue_timeout([tickets[i] for i in live])
-                for index in ran_out:
-                    on_expired(index, self.queue_timeout([tickets[index]]))
+                self._refuse(job, tickets, ran_out, on_expired)
                 live[:] = [i for i in live if i not in ran_out]
         finally:
             started.cancel()
+
+    def _refuse(self, job: InferenceJob, tickets: Sequence[Ticket], indexes: Sequence[int],
+                on_expired: OnExpired) -> None:
+        """Refuse ``tickets[indexes]`` (out of time) alone; ``job`` runs for the others."""
+        for index in indexes:
+            job.refused.add(index)
+            on_expired(index, self.queue_timeout([tickets[index]]))
 
     def _lefts_s(self, tickets: Sequence[Ticket], indexes: Sequence[int],
                  elapsed_s: float) -> dict[int, float]:
@@ -261,8 +268,8 @@ class InferenceThread:
                 ticket.device_done(ran=False)
             raise self.queue_timeout(tickets)
         future, job = self.start(tickets, work)
-        for index in expired:  # rides along in the pass; its output is dropped
-            on_expired(index, self.queue_timeout([tickets[index]]))
+        if expired:  # they ride along in the pass; their outputs are dropped
+            self._refuse(job, tickets, expired, on_expired)
         await self.wait_started(future, job, tickets, on_expired=on_expired,
                                 expired=frozenset(expired))
         try:
@@ -286,7 +293,7 @@ class InferenceThread:
             OverloadedError: ``oom`` or ``draining``, as :meth:`run`; other errors pass.
         """
         loop = asyncio.get_running_loop()
-        job = _Job(work, loop, self, announce_start=False)
+        job = InferenceJob(work, loop, self, announce_start=False)
         self.running += 1
         try:
             future = loop.run_in_executor(self._executor, job)
@@ -295,7 +302,8 @@ class InferenceThread:
             raise
         return self._step_result(future, job, leased_bytes)
 
-    async def _step_result(self, future: asyncio.Future, job: _Job, leased_bytes: int) -> Any:
+    async def _step_result(self, future: asyncio.Future, job: InferenceJob,
+                           leased_bytes: int) -> Any:
         try:
             result = await future
             self._record_pass(job.duration_s)
@@ -352,49 +360,3 @@ class InferenceThread:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-class _Job:
-    """One job for the thread: says when the thread took it up, is skipped if its callers
-    left before that, and measures its time and peak bytes (the probe's per-request peak).
-    After an out-of-memory error it records how many bytes the work needed at least (its
-    peak so far + the allocation that failed) and the canary's verdict, then re-raises the
-    error without the failed work's frames, so their tensors are freed before the cache is
-    emptied."""
-
-    def __init__(self, work: Callable[[], Any], loop: asyncio.AbstractEventLoop,
-                 thread: InferenceThread, announce_start: bool = True) -> None:
-        self._work, self._loop, self._thread = work, loop, thread
-        self._announce_start = announce_start
-        self.started = asyncio.Event()
-        self.started_at: float | None = None
-        self.abandoned = False
-        self.duration_s = 0.0
-        self.peak_bytes: int | None = None  # None: not measured (the host probe samples)
-        self.oom_needed_bytes = 0
-        self.canary_ok: bool | None = None
-
-    def abandon(self) -> None:
-        """Its callers left: the thread skips it if it has not taken it up yet."""
-        self.abandoned = True
-
-    def __call__(self) -> Any:  # on the inference thread
-        if self.abandoned:
-            return None
-        self.started_at = time.monotonic()
-        self._thread.mark_running(self.started_at)
-        if self._announce_start:  # a wake-up of the event loop: only for who waits on it
-            self._loop.call_soon_threadsafe(self.started.set)
-        probe = self._thread.probe
-        probe.begin_request()
-        try:
-            return self._work()
-        except torch.OutOfMemoryError as exc:
-            message = str(exc)
-            self.oom_needed_bytes = (probe.request_peak_bytes() or 0) \
-                + failed_allocation_bytes(message)
-        finally:
-            self.peak_bytes = probe.request_peak_bytes()
-            self.duration_s = time.monotonic() - self.started_at
-        self.canary_ok = self._thread.health.recover_after_oom()
-        raise torch.OutOfMemoryError(message)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -301,7 +302,7 @@ def decisions(replica: Replica, outcome: str, reason: str) -> float:
 
 @pytest.mark.parametrize("max_batch_size", [2, 8], ids=["on-the-thread", "in-the-batcher"])
 async def test_a_member_out_of_time_is_refused_alone_and_its_pass_runs_for_the_others(
-        max_batch_size: int) -> None:
+        max_batch_size: int, caplog: pytest.LogCaptureFixture) -> None:
     # Two requests in one pass behind a held thread, one with 0.1 s to wait (the client's
     # limit), one with 60 s. A full pass (2) waits on the thread, where the first is refused
     # at its bound; a short one (8) waits in the batcher and is formed when the thread
@@ -312,6 +313,7 @@ async def test_a_member_out_of_time_is_refused_alone_and_its_pass_runs_for_the_o
             replica, gate, first):
         hurried = replace(replica.request("embed", [words(3, 1)]), wait_limit_s=0.1)
         calm = replica.request("embed", [words(4, 2)])
+        caplog.set_level(logging.INFO, logger="ray.serve")
         late = asyncio.create_task(replica.parts.lifecycle.infer(hurried))
         fresh = asyncio.create_task(replica.parts.lifecycle.infer(calm))
         await let_them_reach_the_batcher()
@@ -332,6 +334,13 @@ async def test_a_member_out_of_time_is_refused_alone_and_its_pass_runs_for_the_o
         assert np.allclose(answer.output.embeddings, reference.embed([words(4, 2)]))
         assert replica.batcher.passes == 2 and replica.inference.total == 2
         assert decisions(replica, "rejected", "queue_timeout") == 1.0
+        # The refused member rode along in the pass unanswered: logged as refused, and its
+        # time on the thread not counted (the held first request's pass and the answered one).
+        finished = [record.outcome for record in caplog.records
+                    if getattr(record, "event", "") == "finished"]
+        assert sorted(finished) == ["ok", "ok", "queue_timeout"]
+        assert replica.metrics.registry.get_sample_value(
+            "vramgate_inference_seconds_count", LABELS) == 2.0
         assert_idle(replica.gate.queue)
 
 
