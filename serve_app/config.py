@@ -283,6 +283,13 @@ class BatchingConfig(_Section):
         "that requests of similar length can share a forward pass within their leases "
         "(over-reserving at most this many tokens per input); 1 = priced exactly, batching "
         "only equal lengths.")
+    stream_interval_ms: float = Field(
+        50.0, ge=0, description="A stream's pieces of text cross from the model replica to "
+        "the client at most once per this many milliseconds, those made meanwhile together "
+        "(each still its own server-sent event); a piece after a quiet interval, and the "
+        "first, go at once. 0 sends every piece alone. Each crossing costs CPU in the "
+        "replica, the ingress and Ray Serve's proxy (measured on 2 cores: about 3 ms per "
+        "token); Ray Serve LLM groups its streams every 50 ms by default.")
     completions: bool = Field(
         True, description="Also batch non-streamed completions without stop strings or "
         "seed, grouped by temperature and top_p (one left-padded generate to the largest "

@@ -72,28 +72,30 @@ class ModelClient:
         return _raised(await self.call(lambda: response))
 
     async def stream(self, request: InferenceRequest,
-                     ) -> tuple[AdmissionEvent, AsyncIterator[StreamEvent]]:
+                     ) -> tuple[AdmissionEvent, AsyncIterator[list[StreamEvent]]]:
         """Start streaming ``request`` (``ModelServer.infer_stream``): its first item (the
         admission, ``Queued`` or ``Admitted``, so that admission errors come
-        before any byte is sent) and the rest (:mod:`serve_app.stream_events`).
-        Cancel the rest (``aclose``) when the client leaves.
+        before any byte is sent) and the rest, in the lists the replica sent them in
+        (:mod:`serve_app.stream_events`; a ``StreamError`` item last if the stream ended
+        with an error on the replica). Cancel the rest (``aclose``) when the client leaves.
 
-        Raises: as :meth:`infer`, before the first item; the rest raises the typed error
-        that ended the stream on the replica.
+        Raises: as :meth:`infer`, before the first item; the rest raises Ray's errors.
         """
         request = await self._priced(request)
         stream = self._model.options(stream=True).infer_stream.remote(request)
         await self._wait_for_a_replica(stream, request)
-        first = _raised(await self.call(lambda: stream.__anext__()))
+        first, *more = await self.call(lambda: stream.__anext__())
 
-        async def rest() -> AsyncIterator[StreamEvent]:
+        async def rest() -> AsyncIterator[list[StreamEvent]]:
             try:
-                async for item in stream:
-                    yield _raised(item)
+                if more:
+                    yield more
+                async for batch in stream:
+                    yield batch
             finally:
                 stream.cancel()
 
-        return first, rest()
+        return _raised(first), rest()
 
     async def _priced(self, request: InferenceRequest) -> InferenceRequest:
         """``request`` with the router's price and the time it is sent (the replica counts

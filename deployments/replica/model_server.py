@@ -35,7 +35,8 @@ from serve_app.metrics import REPLICA_EVENT_COUNTERS, ProcessMetrics
 from serve_app.replica_state import ReplicaState
 from serve_app.request import InferenceRequest
 from serve_app.schemas import InferenceResult
-from serve_app.stream_events import StreamEvent
+from serve_app.stream_batching import coalesced
+from serve_app.stream_events import AdmissionEvent, StreamEvent
 
 logger = logging.getLogger("ray.serve")
 
@@ -131,12 +132,18 @@ class ModelServer:
         return await self._replica.answer(request)
 
     async def infer_stream(self, request: InferenceRequest,
-                           ) -> AsyncIterator[StreamEvent]:
-        """Stream one validated request; its typed error as a last ``StreamError`` item
-        (:meth:`Replica.answer_stream`)."""
-        async with contextlib.aclosing(self._replica.answer_stream(request)) as items:
-            async for item in items:  # closed with this one (its consumer gone)
-                yield item
+                           ) -> AsyncIterator[list[StreamEvent]]:
+        """Stream one validated request (:meth:`Replica.answer_stream`; its typed error as a
+        last ``StreamError`` item) in lists: the pieces of text made within
+        ``batching.stream_interval_ms`` of the last sent go together
+        (:func:`serve_app.stream_batching.coalesced`); the admission events and the first
+        piece go at once."""
+        interval_s = self._replica.args.batching.stream_interval_ms / 1000
+        async with contextlib.aclosing(coalesced(
+                self._replica.answer_stream(request), interval_s,
+                paced=lambda item: not isinstance(item, AdmissionEvent))) as batches:
+            async for batch in batches:  # closed with this one (its consumer gone)
+                yield batch
 
     async def check_health(self) -> None:
         """Ray Serve's health check (every ``deployment.health_check_period_s``).

@@ -27,7 +27,8 @@ def _piece(text: str, finish_reason: str | None) -> str:
 
 
 class _Client:
-    """A model client whose stream is ``first``, then ``rest``, then ``error`` raised."""
+    """A model client whose stream is ``first``, then ``rest`` (items, or lists of items as
+    the replica groups them: an item alone is a list of one), then ``error`` raised."""
 
     def __init__(self, first, rest, error=None) -> None:
         self.first, self.rest, self.error = first, rest, error
@@ -36,8 +37,8 @@ class _Client:
     async def stream(self, inference):
         async def rest():
             try:
-                for item in self.rest:
-                    yield item
+                for batch in self.rest:
+                    yield batch if isinstance(batch, list) else [batch]
                 if self.error is not None:
                     raise self.error
             finally:
@@ -90,8 +91,8 @@ async def test_a_queued_stream_is_written_as_clients_read_it() -> None:
     assert chunks == [
         ": queued position=2 eta_ms=1500\n\n", ": queued position=1 eta_ms=700\n\n",
         ": queued position=0\n\n", _piece("Hel", None), _piece("lo", None),
-        _piece("", "length"),
-        f'data: {{{HEAD},"choices":[],"usage":{{"prompt_tokens":3,"completion_tokens":2,'
+        _piece("", "length")  # the finish and the usage: one item, one chunk
+        + f'data: {{{HEAD},"choices":[],"usage":{{"prompt_tokens":3,"completion_tokens":2,'
         '"total_tokens":5}}\n\n',
         "data: [DONE]\n\n"]
     assert client.closed
@@ -134,3 +135,19 @@ async def test_a_chat_stream_opens_with_the_role() -> None:
 def test_render_refuses_what_is_not_an_event() -> None:
     with pytest.raises(TypeError):
         render({"text": "a"}, _Completion("cmpl-1", 17, "m"), False)
+
+
+async def test_a_batch_of_items_is_one_chunk_of_their_events_and_an_error_item_ends_it(
+        ) -> None:
+    # The replica groups a stream's pieces in time (batching.stream_interval_ms): each
+    # group is one chunk of the body, each piece still its own event; its StreamError item
+    # (an error on the replica after the first byte) is written in-band.
+    refused = OverloadedError("draining", code="draining", retry_after_s=1.0)
+    _, chunks = await _streamed(
+        _Client(Admitted(0.0, 0), [[TextPiece("a")], [TextPiece("b"), TextPiece("c")],
+                                   [Admitted(0.0, 0)], [TextPiece("d"), StreamError(refused)]]),
+        _Completion("cmpl-1", 17, "m"), False)
+    assert chunks == [
+        _piece("a", None), _piece("b", None) + _piece("c", None),
+        _piece("d", None) + 'data: {"error":{"message":"draining","type":"overloaded",'
+        '"code":"draining","retry_after_ms":1000}}\n\n', "data: [DONE]\n\n"]

@@ -137,9 +137,10 @@ class GenerationRoute(Route):
             for event in reply.opening():
                 yield _sse(event)
             try:
-                async for item in rest:
-                    for line in render(item, reply, include_usage):
-                        yield line
+                async for batch in rest:  # one body chunk per batch the replica sent
+                    if chunk := "".join(line for item in batch
+                                        for line in render(item, reply, include_usage)):
+                        yield chunk
             except Exception as exc:  # after the first byte: in-band, never a broken stream
                 for line in render(StreamError(as_serve_app_error(exc)), reply, include_usage):
                     yield line
