@@ -57,6 +57,19 @@ async def test_replica_assigned_uses_the_method_only_on_a_checked_ray() -> None:
     assert replica_assigned(object(), "2.60.0") is None
 
 
+async def test_a_unary_call_over_grpc_is_not_bounded_by_its_assignment() -> None:
+    # Over gRPC (RAY_SERVE_THROUGHPUT_OPTIMIZED=1) a unary call's replica result resolves
+    # with the result itself: waiting for it as the assignment would refuse every request
+    # that runs longer than the queue bound. A stream's first message is its accept.
+    by_value = _Response()
+    by_value.by_reference = False
+    assert replica_assigned(by_value, "2.60.0") is None
+    by_reference = _Response()
+    by_reference.by_reference = True
+    by_reference.assigned.set()
+    assert await replica_assigned(by_reference, "2.60.0") == "replica result"
+
+
 class _Replicas:
     async def retry_after_s(self) -> float:
         return 2.0
