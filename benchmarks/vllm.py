@@ -29,6 +29,9 @@ vramgate+vLLM 6.72 / 0.73 per s (1069 refusals, all with ``Retry-After``, then 5
 timeouts: Ray Serve's proxy and ingress on 2 cores could not answer 127 req/s), bare vLLM
 35.98 / 52.37 per s (these rates did not overload it); 0 preemptions in all four. On these
 2 cores the request path, not the engine, bounds vramgate+vLLM (README: Generation on vLLM).
+With streams grouped (``batching.stream_interval_ms``) and ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``
+(2026-12-07, a slower moment of the host: in process 1591 / 3474, bare vLLM 1434 / 2740):
+vramgate+vLLM 975 / 1429, vramgate+hf 1008 / 1171; goodput at 10x 0.47 against 41.40 per s.
 """
 
 from __future__ import annotations
