@@ -73,8 +73,8 @@ async def _closed(pending: asyncio.Future | None, source: AsyncIterator) -> None
     left."""
     if pending is not None:
         pending.cancel()
-        with contextlib.suppress(BaseException):
-            await pending
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await pending  # its error, if any, is the source's: nobody reads it now
     aclose = getattr(source, "aclose", None)
     if aclose is not None:
         await aclose()
