@@ -8,6 +8,7 @@ from typing import Any
 
 import ray
 from ray.serve import Application
+from ray.serve.config import BackpressureConfig
 
 from deployments.cluster.autoscaling import QUEUE_POLICY_CLASS_PATH
 from deployments.cluster.build_measurement import measure_before_deploy
@@ -71,14 +72,25 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     idempotency = IdempotencyStore.bind(cfg.idempotency.ttl_s, cfg.idempotency.max_entries)
     bindings = [_bind_model(cfg, plan, registry, logging_config, len(planned) > 1)
                 for cfg, plan in planned]
-    return Ingress.options(
-        num_replicas=cfg.deployment.ingress_replicas,
-        max_ongoing_requests=cfg.deployment.ingress_max_ongoing_requests,
-        logging_config=logging_config,
+    return Ingress.options(**_ingress_options(cfg), logging_config=logging_config,
+                           ).bind(bindings, registry, idempotency)
+
+
+def _ingress_options(cfg: AppArgs) -> dict[str, Any]:
+    """The ingress deployment's Ray Serve options."""
+    dep = cfg.deployment
+    return dict(
+        num_replicas=dep.ingress_replicas,
+        max_ongoing_requests=dep.ingress_max_ongoing_requests,
+        # Overload beyond the ingress's cap is refused by Ray's proxy, before it costs the
+        # ingress anything: on a saturated CPU the ingress's own refusals came too late.
+        max_queued_requests=dep.ingress_max_queued_requests,
+        backpressure_config=BackpressureConfig(status_code=503,
+                                               retry_after_s=dep.ingress_retry_after_s),
         # A redeploy starts the new ingress before the old one stops: it holds no device and
         # no state, so HTTP is never left without one (it may wait for the job store).
         max_surge_percent=100,
-    ).bind(bindings, registry, idempotency)
+    )
 
 
 def _bind_model(cfg: AppArgs, plan: DeploymentPlan, registry: Application,

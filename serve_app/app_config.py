@@ -26,7 +26,8 @@ from serve_app.config import AppArgs, ConfigError, parse_args
 MODEL_SECTIONS = frozenset({"model", "deployment", "limits", "memory", "batching",
                             "admission", "fake"})
 """Sections an entry of ``models:`` may set."""
-APP_DEPLOYMENT_KEYS = frozenset({"ingress_replicas", "ingress_max_ongoing_requests"})
+APP_DEPLOYMENT_KEYS = frozenset({"ingress_replicas", "ingress_max_ongoing_requests",
+                                 "ingress_max_queued_requests", "ingress_retry_after_s"})
 """``deployment`` keys of the app's ingress, not of one model: top level only."""
 
 

@@ -219,6 +219,15 @@ class DeploymentConfig(_Section):
     ingress_max_ongoing_requests: int = Field(
         1024, ge=1, description="Ray Serve's cap per ingress replica. The ingress only parses "
         "and forwards, so it is set high: waiting belongs in the model replicas' queues.")
+    ingress_max_queued_requests: int = Field(
+        256, ge=1, description="Requests that may wait at Ray Serve's HTTP proxy for an "
+        "ingress replica at `ingress_max_ongoing_requests`; beyond it the proxy answers 503 "
+        "with `Retry-After: ingress_retry_after_s` at once (Ray Serve's `max_queued_requests` "
+        "and `backpressure_config`), before any ingress CPU is spent: overload is shed at the "
+        "door instead of stalling every request past its client's deadline.")
+    ingress_retry_after_s: float = Field(
+        1.0, ge=0, allow_inf_nan=False, description="`Retry-After` of the proxy's 503 above "
+        "(whole seconds, rounded up). Fixed: the proxy has no prediction to compute it from.")
     wait_for_gpus: bool = Field(
         False, description="false: `serve run` fails at once when no node of the cluster has "
         "`num_gpus` GPUs; true: wait for GPU nodes to join (an autoscaling cluster).")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -285,6 +286,15 @@ def whisper_reference(path: Path, audio: Any, language: str | None,
 
 
 MiB = 1 << 20
+
+
+async def embed_at_once(base_url: str, count: int) -> list[httpx.Response]:
+    """``count`` embeddings of ten words each, sent at once on their own connections."""
+    text = " ".join(["w"] * 10)
+    async with httpx.AsyncClient(base_url=base_url, timeout=60,
+                                 limits=httpx.Limits(max_connections=count)) as http:
+        return await asyncio.gather(*(
+            http.post("/v1/embeddings", json={"input": text}) for _ in range(count)))
 
 
 def fake_app_args(**sections: dict) -> dict:

@@ -7,12 +7,9 @@ spike: admitted p99 27 s against a 14.8 s bound)."""
 
 from __future__ import annotations
 
-import asyncio
-
-import httpx
 import pytest
 
-from tests.support import fake_app_args, settled_scrape, total, wait_for
+from tests.support import embed_at_once, fake_app_args, settled_scrape, total, wait_for
 
 MAX_QUEUE_WAIT_S = 1.0
 
@@ -34,14 +31,6 @@ def app(deploy):
         batching={"enabled": False}))
 
 
-async def send_eight_at_once(base_url: str) -> list[httpx.Response]:
-    text = " ".join(["w"] * 10)
-    async with httpx.AsyncClient(base_url=base_url, timeout=60,
-                                 limits=httpx.Limits(max_connections=8)) as http:
-        return await asyncio.gather(*(
-            http.post("/v1/embeddings", json={"input": text}) for _ in range(8)))
-
-
 async def test_a_request_no_replica_accepts_in_time_is_refused_and_no_wait_exceeds_the_bound(
         app):
     # Normally two of the eight are admitted (the second after waiting for the first); a
@@ -50,7 +39,7 @@ async def test_a_request_no_replica_accepts_in_time_is_refused_and_no_wait_excee
     # and admitted waits are checked.
     waits_ms: list[float] = []
     for _ in range(3):
-        responses = await send_eight_at_once(app.base_url)
+        responses = await embed_at_once(app.base_url, 8)
         ok = [r for r in responses if r.status_code == 200]
         refused = [r for r in responses if r.status_code != 200]
         print(f"\n8 at once, one at a time: {len(ok)} x 200, "
@@ -83,7 +72,7 @@ async def test_requests_still_in_ray_serves_handle_queue_are_refused_by_the_ingr
     # test above).
     # The test before this one was refused too: its counts must be in the baseline.
     before = refusals_by_deployment(settled_scrape(app.base_url, refusals_by_deployment))
-    responses = await send_eight_at_once(app.base_url)
+    responses = await embed_at_once(app.base_url, 8)
     refused = [r for r in responses if r.status_code == 503]
     assert len(refused) >= 5, [r.status_code for r in responses]
     after = refusals_by_deployment(wait_for(

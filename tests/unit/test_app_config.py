@@ -43,7 +43,7 @@ def test_every_problem_of_every_entry_is_named_at_once() -> None:
     raw = {"models": [
         {"model": {"name": "a", "task": "fake"}, "limits": {"max_tokens": 0}},
         {"model": {"name": "b", "task": "fake"}, "auth": {"api_key": "k"},
-         "deployment": {"ingress_replicas": 2}},
+         "deployment": {"ingress_replicas": 2, "ingress_max_queued_requests": 8}},
     ]}
     with pytest.raises(ConfigError) as caught:
         parse_models(raw)
@@ -52,6 +52,18 @@ def test_every_problem_of_every_entry_is_named_at_once() -> None:
         in text
     assert "args.models[1].auth: app-wide, set it at the top level of args" in text
     assert "args.models[1].deployment.ingress_replicas: the ingress's" in text
+    assert "args.models[1].deployment.ingress_max_queued_requests: the ingress's" in text
+
+
+def test_the_proxys_queue_for_the_ingress_is_bounded_by_default() -> None:
+    # Ray's own default (-1) is unbounded: a flood would wait at the proxy past every deadline
+    [args] = parse_models({"model": {"name": "solo", "task": "fake"}})
+    assert (args.deployment.ingress_max_queued_requests,
+            args.deployment.ingress_retry_after_s) == (256, 1.0)
+    with pytest.raises(ConfigError, match="ingress_max_queued_requests: Input should be "
+                                          "greater than or equal to 1"):
+        parse_models({"model": {"name": "solo", "task": "fake"},
+                      "deployment": {"ingress_max_queued_requests": -1}})
 
 
 def test_two_models_of_one_name_are_refused() -> None:
