@@ -32,7 +32,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.llm_load import Done, closed_figures, post
+from benchmarks.llm_load import Done, client, closed_figures, post
 from loadtest.runner import deploy, progress, start_serve, stop_serve, undeploy
 
 MODEL = "tiny"
@@ -75,14 +75,13 @@ def bodies(seed: int, count: int) -> list[dict]:
 
 
 async def _closed(base_url: str, clients: int, each: int, seed: int) -> tuple[list[Done], float]:
-    async with httpx.AsyncClient(base_url=base_url, timeout=600,
-                                 limits=httpx.Limits(max_connections=None)) as http:
+    async with client(base_url) as http:
         started = asyncio.get_running_loop().time()
 
-        async def client(index: int) -> list[Done]:
+        async def one_client(index: int) -> list[Done]:
             return [await post(http, body) for body in bodies(seed + index, each)]
 
-        ends = await asyncio.gather(*(client(i) for i in range(clients)))
+        ends = await asyncio.gather(*(one_client(i) for i in range(clients)))
         return [d for done in ends for d in done], asyncio.get_running_loop().time() - started
 
 

@@ -32,6 +32,13 @@ timeouts: Ray Serve's proxy and ingress on 2 cores could not answer 127 req/s), 
 With streams grouped (``batching.stream_interval_ms``) and ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``
 (2026-12-07, a slower moment of the host: in process 1591 / 3474, bare vLLM 1434 / 2740):
 vramgate+vLLM 975 / 1429, vramgate+hf 1008 / 1171; goodput at 10x 0.47 against 41.40 per s.
+With the door bounded (the ingress caps in :func:`vramgate_args`) and an aiohttp client
+(:mod:`benchmarks.llm_load`), Ray's default mode, 2026-12-07, another slow moment (in process
+1373 / 3197, bare vLLM 1280 / 2576): vramgate+vLLM 496 / 643, vramgate+hf 357 / 451 (1.39 /
+1.43x; the door refused 15 of hf's 256 requests at 64 clients); overload at 31 and 103 req/s
+(3x and 10x 10.3): goodput 3.90 / 3.70 per s, 924 / 4435 refusals, every one a 503 with
+``Retry-After``, 629 / 799 client timeouts; bare vLLM 29.83 / 24.97 per s (3795 client
+timeouts at 10x); 0 preemptions.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ import httpx
 
 from benchmarks.llm_load import (
     Done,
+    client,
     closed_figures,
     closed_loop,
     open_loop,
@@ -65,11 +73,19 @@ MODEL = "tiny"
 
 def vramgate_args(path: Path, engine: str, max_queue_wait_s: float) -> dict[str, Any]:
     return {"model": {"engine": engine, "path": str(path), "name": MODEL, "device": "cpu"},
-            "deployment": {"num_gpus": 0},
             "limits": {"max_input_tokens": 64, "max_tokens": 128},
             "batching": {"max_batch_size": MAX_NUM_SEQS, "continuous": True},
             "admission": {"max_queue_len": 4096, "max_queue_wait_s": max_queue_wait_s,
-                          "kv_lease": "guaranteed"}}  # the overload goal's mode
+                          "kv_lease": "guaranteed"},  # the overload goal's mode
+            # The door (README: Overload at the door): the ingress holds what the replica
+            # runs (max_num_seqs) and as many again waiting, and half that may wait at Ray's
+            # proxy; the rest get 503 + Retry-After from the proxy. With the defaults
+            # (1024 / 256) the 10x overload on 2 cores stalled every request past its
+            # deadline and none was refused; with 64 / 32 or 128 / 16 the proxy also
+            # refused some of the 64 clients' closed loop (Ray counts a request queued until
+            # an ingress replica is chosen, which takes a while on a busy proxy).
+            "deployment": {"num_gpus": 0, "ingress_max_ongoing_requests": 2 * MAX_NUM_SEQS,
+                           "ingress_max_queued_requests": MAX_NUM_SEQS // 2}}
 
 
 async def _in_process(path: Path) -> list[dict[str, float]]:
@@ -100,8 +116,7 @@ async def _in_process(path: Path) -> list[dict[str, float]]:
 
 
 async def _closed_http(base_url: str) -> list[dict[str, float]]:
-    async with httpx.AsyncClient(base_url=base_url, timeout=600,
-                                 limits=httpx.Limits(max_connections=None)) as http:
+    async with client(base_url) as http:
         return [closed_figures(*await closed_loop(lambda b: post(http, b), clients, each,
                                                   seed=1, model=MODEL))
                 for clients, each in CLIENTS]
@@ -109,8 +124,7 @@ async def _closed_http(base_url: str) -> list[dict[str, float]]:
 
 async def _overload_http(base_url: str, rate_per_s: float, seconds: float,
                          deadline_s: float) -> dict[str, float]:
-    async with httpx.AsyncClient(base_url=base_url, timeout=600,
-                                 limits=httpx.Limits(max_connections=None)) as http:
+    async with client(base_url) as http:
         dones, _ = await open_loop(lambda b: post(http, b, deadline_s), rate_per_s, seconds,
                                    seed=2, model=MODEL)
     return overload_figures(dones, seconds, deadline_s)
