@@ -18,7 +18,9 @@ ERROR_MEANINGS = {
          "`auth.tenants[].max_share` / `max_waiting`); retry after `Retry-After` seconds.",
     503: "Transient capacity refusal (`queue_full`, `queue_timeout`, `predicted_timeout`, "
          "`oom`, `no_replicas`, `draining`, `jobs_full`, `jobs_unavailable`); retry after "
-         "`Retry-After` seconds (`retry-after-ms`: the same wait in milliseconds).",
+         "`Retry-After` seconds (`retry-after-ms`: the same wait in milliseconds). Under a "
+         "flood, Ray Serve's HTTP proxy answers 503 before the ingress sees the request, with "
+         "`Retry-After` but a plain-text body (`deployment.ingress_max_queued_requests`).",
     504: "Inference ran longer than `admission.inference_timeout_s` (`inference_timeout`).",
 }
 INFERENCE_ERRORS = (400, 401, 404, 413, 422, 429, 503, 504)
