@@ -168,10 +168,26 @@ def _preempted(base_url: str, vramgate: bool) -> int:
     """Sequences vLLM preempted since start, as the server reports them."""
     if vramgate:
         return sum(r["kv_cache"]["preempted_sequences"]
-                   for r in httpx.get(f"{base_url}/v1/status").json()["replicas"])
-    lines = httpx.get(f"{base_url}/metrics").text.splitlines()
+                   for r in _once_settled(f"{base_url}/v1/status").json()["replicas"])
+    lines = _once_settled(f"{base_url}/metrics").text.splitlines()
     return int(sum(float(line.split()[-1]) for line in lines
                    if line.startswith("vllm:num_preemptions_total")))
+
+
+def _once_settled(url: str, within_s: float = 120.0) -> httpx.Response:
+    """``GET url`` once the server answers it with 200. Right after a flood a server is still
+    shedding the abandoned requests (on 2 cores vramgate's ``/v1/status`` once took over
+    httpx's default 5 s), so one attempt is not a measurement."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            response = httpx.get(url, timeout=30)
+            if response.status_code == 200 or time.monotonic() > deadline:
+                return response.raise_for_status()
+        except httpx.TransportError:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(1)
 
 
 def run(options: argparse.Namespace) -> tuple[dict[str, list], dict[str, list]]:
