@@ -153,15 +153,12 @@ def _vllm_server(path: Path, port: int) -> subprocess.Popen:
          "--enforce-eager", "--kv-cache-memory-bytes", str(256 << 20),
          "--disable-log-stats", "--disable-uvicorn-access-log"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            time.sleep(1)
-    server.kill()
-    raise RuntimeError("vLLM's server did not answer within 300 s")
+    try:
+        _once_settled(f"http://127.0.0.1:{port}/v1/models", within_s=300)
+    except httpx.HTTPError:
+        server.kill()
+        raise RuntimeError("vLLM's server did not answer within 300 s") from None
+    return server
 
 
 def _preempted(base_url: str, vramgate: bool) -> int:
@@ -175,9 +172,11 @@ def _preempted(base_url: str, vramgate: bool) -> int:
 
 
 def _once_settled(url: str, within_s: float = 120.0) -> httpx.Response:
-    """``GET url`` once the server answers it with 200. Right after a flood a server is still
-    shedding the abandoned requests (on 2 cores vramgate's ``/v1/status`` once took over
-    httpx's default 5 s), so one attempt is not a measurement."""
+    """``GET url`` once the server answers it with 200, within ``within_s``: while it starts,
+    and right after a flood, when it is still shedding the abandoned requests (on 2 cores
+    vramgate's ``/v1/status`` once took over httpx's default 5 s), one attempt is not enough.
+
+    Raises ``httpx.HTTPStatusError`` (a last answer not 200) or ``httpx.TransportError``."""
     deadline = time.monotonic() + within_s
     while True:
         try:
