@@ -39,10 +39,14 @@ async def test_requests_beyond_the_ingress_cap_and_the_proxy_queue_get_503_with_
     refused = [r for r in responses if r.status_code != 200]
     print(f"\n{SENT} at once, {INGRESS_ONGOING} at the ingress and {INGRESS_QUEUED} waiting: "
           f"{len(ok)} x 200, {len(refused)} refused")
-    # Ray counts the proxy's queue while a request moves on to the ingress, so it may refuse
-    # more than the bound requires (ray/serve/_private/router.py), never fewer.
+    # Ray counts a request as queued until it is assigned to an ingress replica, so of
+    # requests arriving at once it may refuse all but the first INGRESS_QUEUED, more than the
+    # bound requires (its own comment in ray/serve/_private/router.py, wrap_request_assignment:
+    # "with max_queued_requests=1 and 4 simultaneous requests ... requests 2,3,4 get
+    # rejected"); never fewer while all arrive within the first one's 0.6 s. The first
+    # INGRESS_QUEUED are queued, and a queued request is served.
     assert len(refused) >= SENT - INGRESS_ONGOING - INGRESS_QUEUED
-    assert len(ok) >= INGRESS_ONGOING
+    assert len(ok) >= INGRESS_QUEUED
     for r in refused:
         assert r.status_code == 503, r.text
         assert r.headers["retry-after"] == "3"
