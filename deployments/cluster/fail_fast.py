@@ -11,7 +11,8 @@ has submitted a config file, whatever becomes of it) and ``/readyz`` answers 503
 :func:`stop_serve_run` ends that wait: it writes the one-line reason to the terminal of each
 ``serve run`` driver of this cluster and sends it ``SIGHUP``, its terminal "hanging up": the
 driver exits (status 129 in a shell) and the local Ray instance it started goes with it. Not
-``SIGTERM``: Ray's driver answers that with a native stack dump (and exits 15); not
+``SIGTERM``: Ray's driver answers that with a native stack dump and exits 15 (or, in
+Ray 2.60, sometimes aborts once its shutdown has completed: 134 in a shell); not
 ``SIGINT``: ``serve run`` then exits 0. A driver that ignores ``SIGHUP`` (``nohup serve run``)
 gets ``SIGTERM`` all the same (:func:`stop_signal`): a stack dump beats waiting forever.
 """

@@ -24,7 +24,11 @@ from tests.e2e.serve_process import RAY, ROOT, SERVE, config_file, serve_run
 from tests.support import free_port, interrupt, wait_until_ready
 
 EXIT_HANGUP = -signal.SIGHUP  # serve run stopped by vramgate (a shell shows 129)
-EXIT_TERM = 15  # ... and under nohup: Ray's driver exits with the SIGTERM's number
+#: ... and under nohup, SIGTERM: Ray's driver exits with the signal's number, or, once its
+#: shutdown has completed (its core-driver log says so), aborts while the process exits: a
+#: crash in Ray 2.60's process exit, seen in 4 of 14 runs here and twice in CI. Either way the
+#: driver has ended, non-zero, with the reason printed.
+EXITS_TERM = {15, -signal.SIGABRT}
 
 
 def _ignore_sighup() -> None:
@@ -53,7 +57,7 @@ def test_prod_config_on_a_cluster_without_gpus_exits_within_a_minute(
     assert reasons, output[-3000:]
     assert "0 GPU" in reasons[0] and "deployment.wait_for_gpus: true" in reasons[0]
     if under_nohup:  # SIGHUP ignored: SIGTERM, which Ray's driver answers with a stack dump
-        assert run.returncode == EXIT_TERM, output[-3000:]
+        assert run.returncode in EXITS_TERM, output[-3000:]
     else:
         assert run.returncode == EXIT_HANGUP, output[-3000:]
         assert lines[-1] == reasons[0]  # the reason is the last thing the operator sees
