@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from benchmarks.stats import percentile
+
 PROMPTS = ("the quick brown fox jumps over the lazy dog",
            "a memory budget admits requests by measured bytes of device memory",
            "ray serve routes requests to replicas that hold a share of a gpu")
@@ -135,11 +137,6 @@ async def open_loop(send: Send, rate_per_s: float, seconds: float, seed: int,
         tasks.append(asyncio.ensure_future(send(body)))
     ends = await asyncio.gather(*tasks)
     return list(ends), time.monotonic() - started
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 def closed_figures(dones: list[Done], wall_s: float) -> dict[str, float]:

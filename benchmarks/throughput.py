@@ -36,6 +36,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks.stats import percentile
 from serve_app.config import BatchingConfig, parse_args
 from tests.support import SENTENCES, fake_app_args, free_port, wait_until_ready
 
@@ -75,11 +76,9 @@ def sentence_pool(n: int = POOL_SIZE, seed: int = 7) -> list[str]:
     return pool
 
 
-def percentile_ms(sorted_s: list[float], q: float) -> float:
-    """Nearest-rank percentile of sorted seconds, in ms (NaN when empty)."""
-    if not sorted_s:
-        return float("nan")
-    return 1000 * sorted_s[min(len(sorted_s) - 1, int(q * len(sorted_s)))]
+def percentile_ms(seconds: list[float], q: float) -> float:
+    """:func:`benchmarks.stats.percentile` of ``seconds``, in ms (NaN when empty)."""
+    return 1000 * percentile(seconds, q)
 
 
 @dataclass(kw_only=True)
