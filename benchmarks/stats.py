@@ -9,9 +9,8 @@ from collections.abc import Iterable
 def percentile(values: Iterable[float], q: float) -> float:
     """The ``q``-th quantile (0 < q <= 1) of ``values`` by nearest rank: the smallest value
     with at least ``q`` of them at or below it, the ``ceil(q x n)``-th in ascending order
-    (NIST/SEMATECH e-Handbook of Statistical Methods, 7.2.6.2; "Percentile", nearest-rank
-    method). Of 65 values the 99th percentile is the largest; of 200, the third largest.
-    NaN when there are none.
+    (the nearest-rank method: Wikipedia, "Percentile"). Of 65 values the 99th percentile is
+    the largest; of 200, the third largest. NaN when there are none.
 
     Raises:
         ValueError: ``q`` outside (0, 1].
