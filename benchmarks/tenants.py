@@ -91,6 +91,7 @@ class Answer:
     code: str
     latency_s: float
     wait_s: float
+    message: str = ""
 
 
 def bearer(tenant: str) -> dict[str, str]:
@@ -103,8 +104,9 @@ async def _one(http: httpx.AsyncClient, tenant: str) -> Answer:
                                headers=bearer(tenant))
     latency_s = time.monotonic() - started
     if response.status_code != 200:
-        return Answer(tenant, response.status_code, response.json()["error"]["code"],
-                      latency_s, 0.0)
+        error = response.json()["error"]
+        return Answer(tenant, response.status_code, error["code"], latency_s, 0.0,
+                      error["message"])
     return Answer(tenant, 200, "", latency_s,
                   int(response.headers["x-queue-wait-ms"]) / 1000)
 
@@ -161,9 +163,12 @@ def _deployed(base_url: str, queue: str, weights: dict[str, float]) -> None:
            headers=bearer("A"))
 
 
-def noisy_neighbour(base_url: str, seconds: float) -> list[list[str]]:
-    """B alone, then beside A's 10x under ``fair`` and ``fifo``: one row each."""
-    rows = []
+def noisy_neighbour(base_url: str, seconds: float) -> tuple[list[list[str]], list[str]]:
+    """B alone, then beside A's 10x under ``fair`` and ``fifo``: one row each; and the
+    messages of B's refusals under ``fair`` (goal: none), with the predicted wait and margin
+    they were refused on ("on every model replica": the ingress's refusal; without it, the
+    replica's)."""
+    rows, b_refusals = [], []
     for name, queue, rates in (("B alone (fair)", "fair", {"B": B_RPS}),
                                ("A 10x B, fair", "fair", {"A": A_RPS, "B": B_RPS}),
                                ("A 10x B, fifo", "fifo", {"A": A_RPS, "B": B_RPS})):
@@ -171,6 +176,8 @@ def noisy_neighbour(base_url: str, seconds: float) -> list[list[str]]:
         _deployed(base_url, queue, {"A": 1.0, "B": 1.0})
         answers = asyncio.run(open_loop(base_url, rates, NOISY_RUNS * seconds))
         undeploy()
+        if queue == "fair":
+            b_refusals += [a.message for a in answers if a.tenant == "B" and a.status != 200]
         row = [name]
         for tenant in ("A", "B"):
             own = [a for a in answers if a.tenant == tenant]
@@ -179,7 +186,7 @@ def noisy_neighbour(base_url: str, seconds: float) -> list[list[str]]:
             row += [f"{len(own)}", f"{len(waits)}", _refusals(refused),
                     f"{p99(waits):.2f}" if waits else "-"]
         rows.append(row)
-    return rows
+    return rows, b_refusals
 
 
 def _refusals(refused: list[Answer]) -> str:
@@ -303,8 +310,9 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def run(base_url: str, seconds: float, jobs: int, batch_lines: int) -> dict[str, Any]:
     """Every run on the Serve at ``base_url``; the figures :func:`section_lines` shows."""
+    neighbours, b_refusals = noisy_neighbour(base_url, seconds)
     return {"seconds": seconds, "jobs": jobs, "batch_lines": batch_lines,
-            "neighbours": noisy_neighbour(base_url, seconds),
+            "neighbours": neighbours, "b_refusals": b_refusals,
             "split": weighted_split(base_url, seconds),
             "flood": batch_flood(base_url, seconds, jobs, batch_lines)}
 
@@ -345,6 +353,9 @@ def section_lines(section: dict[str, Any]) -> list[str]:
         *table(["run", "A sent", "A served", "A refused", "A p99 wait s", "B sent",
                 "B served", "B refused", "B p99 wait s"], section["neighbours"]),
         "",
+        *(["B's refusals under `fair`, as answered:", "",
+           *(f"- {message}" for message in section["b_refusals"]), ""]
+          if section.get("b_refusals") else []),
         f"Weights 3:1, both tenants backlogged ({SPLIT_CLIENTS} closed-loop clients "
         "each): byte-seconds served (GiB x s, from `/v1/status`) between a fifth of the "
         "run and its end.",
