@@ -137,13 +137,14 @@ class Replica:
             yield StreamError(self.refused(request, err))
 
     def refused(self, request: InferenceRequest, err: ServeAppError) -> ServeAppError:
-        """``err``, logged as one line of the request log with its ``status`` and ``code``:
-        ``refused`` at INFO (4xx, 503), ``failed`` at WARNING (504 ``inference_timeout``)."""
+        """``err``, logged as one line of the request log with its ``status``, ``code`` and
+        ``tenant``: ``refused`` at INFO (4xx, 503), ``failed`` at WARNING (504
+        ``inference_timeout``)."""
         failed = err.status_code >= 500 and err.status_code != 503
         self.log.event("failed" if failed else "refused",
                        shape_bytes(self.cost_model, request.shape),
                        level=logging.WARNING if failed else logging.INFO,
-                       status=err.status_code, code=err.code)
+                       status=err.status_code, code=err.code, tenant=request.tenant)
         return err
 
     @property

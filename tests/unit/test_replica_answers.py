@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 
 import pytest
 
+from serve_app.admission.fair import DEFAULT_TENANT
 from serve_app.errors import RequestTooLargeError
 from serve_app.request import GenerationParams, InferenceRequest
 from serve_app.schemas import InferenceResult
@@ -45,7 +47,8 @@ async def test_a_refusal_is_returned_as_its_typed_error_and_logged_at_info(caplo
     caplog.set_level(logging.INFO, logger="ray.serve")
     try:
         fits = await replica.parts.answer(replica.request("embed", [words(3, 0)]))
-        too_large = replica.request("embed", [words(30, 1)])  # 32 tokens padded: 32 000 bytes
+        too_large = replace(replica.request("embed", [words(30, 1)]),  # 32 000 bytes
+                            tenant="team-a")  # 32 tokens padded
         refused = await replica.parts.answer(too_large)
         streamed_request = replica.request("generate", [words(30, 2)],
                                            GenerationParams(max_tokens=8), True)
@@ -62,9 +65,9 @@ async def test_a_refusal_is_returned_as_its_typed_error_and_logged_at_info(caplo
     assert isinstance(last, StreamError) and isinstance(last.error, RequestTooLargeError)
     lines = _lines(caplog, "request refused:")
     assert [r.levelno for r in lines] == [logging.INFO, logging.INFO]
-    assert [(r.code, r.status, r.estimated_bytes) for r in lines] == [
-        ("request_too_large", 400, _exact_bytes(too_large)),
-        ("request_too_large", 400, _exact_bytes(streamed_request))]
+    assert [(r.code, r.status, r.estimated_bytes, r.tenant) for r in lines] == [
+        ("request_too_large", 400, _exact_bytes(too_large), "team-a"),
+        ("request_too_large", 400, _exact_bytes(streamed_request), DEFAULT_TENANT)]
     assert _warnings(caplog) == []
 
 
