@@ -20,4 +20,6 @@ def percentile(values: Iterable[float], q: float) -> float:
     ordered = sorted(values)
     if not ordered:
         return float("nan")
-    return ordered[math.ceil(q * len(ordered)) - 1]
+    # q x n rounded first: 0.07 x 100 is 7.000000000000001 in floats, whose ceiling would
+    # take the 8th value where nearest rank is the 7th.
+    return ordered[max(1, math.ceil(round(q * len(ordered), 9))) - 1]

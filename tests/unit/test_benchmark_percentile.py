@@ -18,6 +18,8 @@ def test_nearest_rank_of_known_counts() -> None:
     assert percentile(range(1, 201), 0.99) == 198
     assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
     assert percentile([5.0, 1.0], 1.0) == 5.0
+    assert percentile(range(1, 101), 0.07) == 7  # 0.07 x 100 is 7.000000000000001 in floats
+    assert percentile(range(1, 101), 0.001) == 1
     assert math.isnan(percentile([], 0.99))
 
 

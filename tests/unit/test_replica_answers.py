@@ -47,8 +47,8 @@ async def test_a_refusal_is_returned_as_its_typed_error_and_logged_at_info(caplo
     caplog.set_level(logging.INFO, logger="ray.serve")
     try:
         fits = await replica.parts.answer(replica.request("embed", [words(3, 0)]))
-        too_large = replace(replica.request("embed", [words(30, 1)]),  # 32 000 bytes
-                            tenant="team-a")  # 32 tokens padded
+        too_large = replace(replica.request("embed", [words(30, 1)]),  # 32 tokens padded:
+                            tenant="team-a")  # 32 000 bytes
         refused = await replica.parts.answer(too_large)
         streamed_request = replica.request("generate", [words(30, 2)],
                                            GenerationParams(max_tokens=8), True)
