@@ -40,7 +40,14 @@ from typing import Any
 import httpx
 
 from benchmarks.stats import percentile
-from loadtest.runner import deploy, progress, start_serve, stop_serve, undeploy
+from loadtest.runner import (
+    deploy,
+    progress,
+    replica_statuses,
+    start_serve,
+    stop_serve,
+    undeploy,
+)
 
 MiB = 1 << 20
 REQUEST_MIB, BUDGET_MIB, PASS_S, MAX_WAIT_S = 100, 400, 0.5, 10.0
@@ -159,8 +166,44 @@ def served_byte_s(base_url: str) -> dict[str, float]:
 
 
 def _deployed(base_url: str, queue: str, weights: dict[str, float]) -> None:
+    """The app deployed under ``queue`` and ``weights``, its replica warmed
+    (:func:`warm`)."""
     deploy(app_args(queue, weights, tempfile.mkdtemp(prefix="vramgate-tenants-")), base_url,
            headers=bearer("A"))
+    warm(base_url)
+
+
+def warm(base_url: str, timeout_s: float = 30.0) -> None:
+    """Run one request, wait until the replica publishes the drain rate it measured, then
+    ``SLOTS`` at once (one pass), so that every run starts on a measured rate.
+
+    A cold replica predicts waits on its profile's prior rate: its largest profiled shape's
+    price over its time alone. The fake engine serves completions too, and its largest shape
+    is an 8-token completion: 9 passes (4.5 s) for the same ``REQUEST_MIB`` as a one-pass
+    embedding, a rate 9x too slow for this load. Measured (the ingress's predictions logged
+    over a cold run): in its first second the ingress predicted 4.5 s for each request in
+    flight ahead, 9.0 s for a request of B behind one of A's, and so 13.5 s behind two, over
+    the 10 s limit: every refusal of B in earlier runs named exactly that 13.5 s. A first
+    request alone (predicted 4.5 s) is admitted; a burst sent before its drain was published
+    is refused the same way.
+
+    Raises:
+        RuntimeError: a warm-up request refused, or no rate published within ``timeout_s``.
+    """
+    async def requests(tenants: Sequence[str]) -> None:
+        async with httpx.AsyncClient(base_url=base_url, timeout=MAX_WAIT_S * 6) as http:
+            answers = await asyncio.gather(*(_one(http, t) for t in tenants))
+        refused = [a for a in answers if a.status != 200]
+        if refused:
+            raise RuntimeError(f"warm-up refused: {refused}")
+
+    asyncio.run(requests(["A"]))
+    deadline = time.monotonic() + timeout_s
+    while not all(r["drain_bytes_per_s"] for r in replica_statuses(base_url, bearer("A"))):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no drain rate published within {timeout_s:g} s of warm-up")
+        time.sleep(0.2)
+    asyncio.run(requests(["A", "B"] * (SLOTS // 2)))
 
 
 def noisy_neighbour(base_url: str, seconds: float) -> tuple[list[list[str]], list[str]]:
