@@ -67,7 +67,11 @@ def stop_serve_run(message: str) -> int:
     try:
         from ray.util.state import list_jobs
 
-        drivers = [job.driver_info for job in list_jobs(filters=[("type", "=", "DRIVER")])
+        # This cluster's address, not found by scanning the machine: with another Ray
+        # instance on the host the scan fails ("Found multiple active Ray instances") and
+        # serve run was left waiting (measured: an e2e run after a test's own Ray).
+        drivers = [job.driver_info for job in list_jobs(
+            address=ray.get_runtime_context().gcs_address, filters=[("type", "=", "DRIVER")])
                    if _is_live_serve_run(job)]
     except Exception as exc:  # noqa: BLE001 - the state API is optional (no dashboard)
         logger.warning("cannot list the serve run drivers to stop them: %s", exc)

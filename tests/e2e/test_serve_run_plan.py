@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,19 +48,50 @@ def test_prod_config_on_a_cluster_without_gpus_exits_within_a_minute(
                              preexec_fn=_ignore_sighup if under_nohup else None)
     finally:
         subprocess.run([str(RAY), "stop", "--force"], capture_output=True, timeout=120)
+    print(f"\nserve run{' under nohup' if under_nohup else ''} exited {run.returncode} after "
+          f"{time.monotonic() - started:.0f} s")
+    # SIGHUP ignored: SIGTERM, which Ray's driver answers with a stack dump
+    _assert_stopped_with_reason(run, EXITS_TERM if under_nohup else {EXIT_HANGUP},
+                                reason_last=not under_nohup)
+
+
+def test_prod_config_exits_with_its_reason_beside_another_ray_instance(
+        tmp_path: Path) -> None:
+    """Another Ray instance on the machine (a notebook's, a test session's own): the refusal
+    still finds *this* cluster's ``serve run`` driver. It once looked the cluster up by
+    scanning the machine, which gave up on "Found multiple active Ray instances" and left
+    ``serve run`` waiting past its minute."""
+    config = config_file(tmp_path, "configs/prod.yaml", free_port())
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    other = subprocess.Popen(
+        [sys.executable, "-c", "import ray, sys; ray.init(address='local', num_cpus=1, "
+         "include_dashboard=False); print('up', flush=True); sys.stdin.read()"],
+        cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout is not None and other.stdout.readline().strip() == "up"
+        run = subprocess.run([str(SERVE), "run", str(config)], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=60)
+    finally:
+        if other.stdin is not None:
+            other.stdin.close()
+        other.wait(timeout=120)
+        subprocess.run([str(RAY), "stop", "--force"], capture_output=True, timeout=120)
+    _assert_stopped_with_reason(run, {EXIT_HANGUP}, reason_last=True)
+
+
+def _assert_stopped_with_reason(run: subprocess.CompletedProcess[str], exits: set[int],
+                                reason_last: bool) -> None:
+    """``run`` (``serve run configs/prod.yaml`` on a cluster without GPUs) printed
+    vramgate's reason and ended with one of ``exits``; ``reason_last``: nothing after it."""
     output = run.stdout + run.stderr
     lines = output.strip().splitlines()
-    print(f"\nserve run{' under nohup' if under_nohup else ''} exited {run.returncode} after "
-          f"{time.monotonic() - started:.0f} s; last line: {lines[-1]}")
     reasons = [line for line in lines if line.startswith("vramgate: deployment.num_gpus is 0.5 "
                                                          "per model replica, but no node of "
                                                          "this Ray cluster has a GPU")]
     assert reasons, output[-3000:]
     assert "0 GPU" in reasons[0] and "deployment.wait_for_gpus: true" in reasons[0]
-    if under_nohup:  # SIGHUP ignored: SIGTERM, which Ray's driver answers with a stack dump
-        assert run.returncode in EXITS_TERM, output[-3000:]
-    else:
-        assert run.returncode == EXIT_HANGUP, output[-3000:]
+    assert run.returncode in exits, output[-3000:]
+    if reason_last:
         assert lines[-1] == reasons[0]  # the reason is the last thing the operator sees
 
 
